@@ -1,0 +1,197 @@
+"""``run_job``: the whole pipeline as one Python call (the CLI is a thin shell over it).
+
+spec -> nodes (discovery) -> plan per stage -> backend under the supervisor -> aggregate ->
+result.json, plots and the summary. A notebook user gets the same ``RunResult`` as the CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import yaml
+
+from launcher import backends
+from launcher.devices import discover
+from launcher.errors import EXIT_BAD_INPUT, LauncherError
+from launcher.plan import LaunchPlan, NodeTarget, make_plans, plan_stage, stage_sizes
+from launcher.procutil import free_port
+from launcher.results import RunResult, aggregate
+from launcher.spec import LoadedJob, load_job, mask_env
+from launcher.supervisor import StageOutcome, StopRequest, run_stage
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What a run would do: the plans and the exact commands. Nothing was spawned."""
+
+    job: LoadedJob
+    plans: tuple[LaunchPlan, ...]
+    commands: tuple[tuple[str, ...], ...]  # per plan, per node
+
+
+def local_node(job: LoadedJob | None = None) -> NodeTarget:
+    return NodeTarget(name=socket.gethostname(), address="127.0.0.1", inventory=discover(), python=sys.executable)
+
+
+def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
+    """This machine, or every host of a cluster file after its preflight checks."""
+    cluster_file = cluster or job.spec.cluster
+    if cluster_file is None:
+        return [local_node(job)]
+    from launcher.cluster import load_cluster, preflight
+
+    path = Path(cluster_file) if cluster else job.base_dir / cluster_file
+    return preflight(load_cluster(path), job)
+
+
+def _backend_name(job: LoadedJob, backend: str | None) -> str:
+    name = backend or job.spec.backend
+    if name not in backends.names():
+        raise LauncherError(f"--backend: unknown backend '{name}' (expected one of: {', '.join(backends.names())})", exit_code=EXIT_BAD_INPUT)
+    return name
+
+
+def _rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
+    first = nodes[0]
+    if first.ssh is None:
+        return free_port("127.0.0.1")
+    from launcher.cluster import remote_free_port
+
+    return remote_free_port(first)
+
+
+def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
+    name = _backend_name(job, backend)
+    nodes = resolve_nodes(job, cluster)
+    run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
+    plans = make_plans(job, nodes, run_dir=run_dir, master_port=_rendezvous_port(nodes), backend=name)
+    commands = tuple(tuple(_describe(name, plan)) for plan in plans)
+    return DryRun(job, tuple(plans), commands)
+
+
+def _describe(backend_name: str, plan: LaunchPlan) -> list[str]:
+    if backend_name == "torchrun":
+        from launcher.backends.torchrun import TorchrunBackend
+
+        return TorchrunBackend.describe_plan(plan)
+    return [f"ray actor {plan.job}-rank{r.rank} on {r.device}" for r in plan.ranks]
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: StopRequest) -> Iterator[None]:
+    """Ctrl-C and SIGTERM ask the run loop to tear everything down, then the run reports."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def handler(signum: int, _frame: Any) -> None:
+        stop.set(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run_job(
+    job: str | Path | LoadedJob,
+    *,
+    overrides: Sequence[str] = (),
+    backend: str | None = None,
+    out: str | Path = "runs",
+    cluster: str | None = None,
+    ui: Any = None,
+    stop: StopRequest | None = None,
+) -> RunResult:
+    """Run a job spec to its end and return its result (also written to ``result.json``)."""
+    from launcher.console import RunUI
+
+    loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
+    name = _backend_name(loaded, backend)
+    nodes = resolve_nodes(loaded, cluster)
+    device_type, sizes = stage_sizes(loaded, nodes)  # impossible requests fail before any spawn
+    backend_cls = backends.get_backend(name)
+    ui = ui or RunUI()
+    stop = stop or StopRequest()
+    run_id = new_run_id()
+    run_dir = Path(out).resolve() / loaded.spec.name / run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    effective = loaded.spec.model_dump(mode="json")
+    effective["env"] = mask_env(effective["env"])
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump(effective, sort_keys=False))
+    started = time.time()
+    outcomes: list[StageOutcome] = []
+    with _stop_on_signals(stop):
+        for size in sizes:
+
+            def make_plan(attempt: int, size: int = size) -> LaunchPlan:
+                return plan_stage(
+                    loaded, nodes, size, device_type, run_dir=run_dir, master_port=_rendezvous_port(nodes), backend=name
+                )
+
+            first_plan = make_plan(0)
+            ui.stage_started(first_plan)
+            try:
+                outcome = run_stage(
+                    lambda attempt, first=first_plan, mk=make_plan: first if attempt == 0 else mk(attempt),
+                    backend_cls,
+                    stop=stop,
+                    echo=ui.echo,
+                    on_progress=ui.progress,
+                )
+            finally:
+                ui.stage_finished()
+            outcomes.append(outcome)
+            if not outcome.ok:
+                break
+    return finish_run(loaded, name, run_id, run_dir, outcomes, started, ui)
+
+
+def finish_run(
+    loaded: LoadedJob, backend_name: str, run_id: str, run_dir: Path, outcomes: list[StageOutcome], started: float, ui: Any
+) -> RunResult:
+    from launcher.results import make_plots, write_result
+
+    t_agg = time.time()
+    effective = loaded.spec.model_dump(mode="json")
+    effective["env"] = mask_env(effective["env"])
+    result = aggregate(
+        outcomes,
+        job=loaded.spec.name,
+        run_id=run_id,
+        backend=backend_name,
+        spec=effective,
+        spec_hash=loaded.spec.fingerprint(),
+        entrypoint=loaded.spec.entrypoint,
+        params=loaded.spec.params,
+        started_at=started,
+    )
+    result["run_dir"] = str(run_dir)
+    try:
+        plots = make_plots(result, run_dir, loaded.spec.entrypoint)
+    except Exception as exc:  # noqa: BLE001 - a broken plot must not lose the results
+        plots = []
+        result["plot_error"] = f"{type(exc).__name__}: {exc}"
+    result["plots"] = [os.path.relpath(p, run_dir) for p in plots]
+    result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
+    write_result(run_dir, result)
+    ui.finished(result, str(run_dir))
+    return RunResult(result, run_dir, tuple(plots))

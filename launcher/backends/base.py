@@ -1,0 +1,59 @@
+"""The one small interface every backend implements: start a plan, poll it, stop it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.logstream import LogRouter
+from launcher.plan import LaunchPlan
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """What the process layer knows about a rank that ended badly (beyond its own report)."""
+
+    rank: int
+    exitcode: int | None
+    signal: str | None = None
+    oom_suspected: bool = False
+    host: str | None = None
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    done: bool
+    ok: bool = False
+    rank_exits: tuple[RankExit, ...] = ()
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(ABC):
+    """Runs one LaunchPlan. The supervisor drives it; the backend never decides a run's fate."""
+
+    name: str = "base"
+
+    def __init__(self, plan: LaunchPlan, logs: LogRouter) -> None:
+        self.plan = plan
+        self.logs = logs
+
+    @abstractmethod
+    def start(self) -> None:
+        """Spawn every process of the plan and return without waiting for them."""
+
+    @abstractmethod
+    def poll(self) -> BackendStatus:
+        """Non-blocking: has the group ended, and how."""
+
+    @abstractmethod
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Tear everything down (gracefully, then by force); idempotent; returns when all is gone."""
+
+    def collect(self) -> None:
+        """Bring per-rank reports to the launcher's stage directory (no-op where they are local)."""
+
+    def describe(self) -> list[str]:
+        """Human-readable commands for ``--dry-run``."""
+        return []

@@ -1,0 +1,137 @@
+"""The torchrun backend: one PyTorch elastic agent (torch.distributed.run) per node.
+
+On this machine the agent is a child process in its own session; on other hosts it runs
+through the OpenSSH client (see ``launcher.backends.ssh``). Either way its merged output comes
+back through a pipe to the LogRouter, and stopping it is: SIGTERM to the agent (which stops its
+workers), SIGKILL after a grace period, then SIGKILL to any worker still alive, by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from launcher.backends.base import Backend, BackendStatus, RankExit
+from launcher.errors import BackendError
+from launcher.plan import LaunchPlan, NodeLaunch
+from launcher.procutil import cmdline, pid_alive, read_json, wait_gone
+
+
+class TorchrunBackend(Backend):
+    name = "torchrun"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._agents: list[tuple[NodeLaunch, subprocess.Popen]] = []
+
+    def describe(self) -> list[str]:
+        return self.describe_plan(self.plan)
+
+    @staticmethod
+    def describe_plan(plan: LaunchPlan) -> list[str]:
+        """Per node: the exact command (plain ``torchrun`` form; over SSH, the ssh command)."""
+        lines = []
+        for node in plan.nodes:
+            if node.target.ssh is not None:
+                from launcher.backends.ssh import remote_agent_command
+
+                lines.append(shlex.join(remote_agent_command(node, plan)))
+            else:
+                lines.append(node.torchrun_command())
+        return lines
+
+    def _command(self, node: NodeLaunch) -> tuple[list[str], dict[str, str]]:
+        if node.target.ssh is not None:
+            from launcher.backends.ssh import remote_agent_command
+
+            return remote_agent_command(node, self.plan), dict(os.environ)
+        env = {**os.environ, **node.env, "LAUNCHER_PARENT_PID": str(os.getpid())}
+        return list(node.argv), env
+
+    def start(self) -> None:
+        self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
+        for node in self.plan.nodes:
+            argv, env = self._command(node)
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # Ctrl-C reaches the launcher only; it decides teardown
+                )
+            except OSError as exc:
+                self.stop()
+                raise BackendError(f"cannot start the torchrun agent for {node.host}: {exc}") from None
+            assert proc.stdout is not None
+            self.logs.follow(proc.stdout, node.host)
+            self._agents.append((node, proc))
+
+    def poll(self) -> BackendStatus:
+        codes = [(node, proc.poll()) for node, proc in self._agents]
+        failed = [(node, code) for node, code in codes if code not in (None, 0)]
+        if failed:
+            # One failed agent ends the job: the supervisor stops the rest at once.
+            return BackendStatus(done=True, ok=False, rank_exits=self._rank_exits(), detail=self._detail(failed))
+        if any(code is None for _, code in codes):
+            return BackendStatus(done=False)
+        return BackendStatus(done=True, ok=True)
+
+    def _detail(self, failed: list[tuple[NodeLaunch, int]]) -> str:
+        return "; ".join(f"agent on {node.host} exited with {code}" for node, code in failed)
+
+    def _rank_exits(self) -> tuple[RankExit, ...]:
+        return tuple(
+            RankExit(
+                rank=int(rec["rank"]),
+                exitcode=rec.get("exitcode"),
+                signal=rec.get("signal"),
+                oom_suspected=bool(rec.get("oom_suspected")),
+                host=rec.get("host"),
+            )
+            for rec in self.logs.agent_failures
+        )
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        running = [proc for _, proc in self._agents if proc.poll() is None]
+        for proc in running:
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._kill_stray_workers()
+
+    def _kill_stray_workers(self) -> None:
+        # Belt and braces: workers also die with their agent (parent-death signal), but a rank
+        # that outlived both is found by pid from its progress file and checked by its command line.
+        stage = str(self.plan.stage_dir)
+        pids = []
+        for progress in Path(self.plan.stage_dir, "progress").glob("rank*.json"):
+            pid = (read_json(progress) or {}).get("pid")
+            if isinstance(pid, int) and pid_alive(pid) and stage in cmdline(pid):
+                pids.append(pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_gone(pids, 5.0)
+
+    def agent_pids(self) -> list[int]:
+        return [proc.pid for _, proc in self._agents]
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

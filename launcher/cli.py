@@ -1,0 +1,169 @@
+"""The command line: the only module that sees argv. It picks a file, a backend and a few
+overrides, calls the API, and maps errors to exit codes (0 ok, 1 job failed, 2 bad input,
+130 interrupted). Heavy modules are imported only on the paths that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, LauncherError
+
+EXIT_FOR_STATUS = {"succeeded": EXIT_OK, "interrupted": EXIT_INTERRUPTED}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise LauncherError(f"{self.prog}: {message} (see {self.prog} --help)", exit_code=EXIT_BAD_INPUT)
+
+
+def _run_parser() -> _Parser:
+    p = _Parser(
+        prog="launch",
+        description="Run a YAML job spec on every GPU of one or more nodes (torchrun or Ray).",
+        epilog=(
+            "other commands: launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR | "
+            "launch status|logs|stop JOB_ID --address URL"
+        ),
+    )
+    p.add_argument("job", help="the job spec, e.g. jobs/matmul_scaling.yaml")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the exact commands; spawn nothing")
+    p.add_argument("--backend", choices=("torchrun", "ray"), help="override the spec's backend")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a spec field, e.g. --set resources.cpu_workers=4")
+    p.add_argument("--out", default="runs", help="root of run directories (default: runs/)")
+    p.add_argument("--cluster", help="cluster file listing the hosts (configs/cluster.example.yaml)")
+    p.add_argument("--address", help="Ray cluster to submit to, e.g. http://127.0.0.1:8265 (Ray Jobs API)")
+    p.add_argument("--quiet", action="store_true", help="no rank output on the console (logs still written)")
+    p.add_argument("--json", action="store_true", help="print result.json (or the dry-run plan) as JSON on stdout")
+    return p
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    args = _run_parser().parse_args(argv)
+    from launcher.spec import load_job
+
+    job = load_job(args.job, args.overrides)
+    if args.address or (args.backend or job.spec.backend) == "ray" and job.spec.ray.address and not args.dry_run:
+        from launcher.ray_jobs import submit_and_wait
+
+        return submit_and_wait(job, address=args.address or job.spec.ray.address, out=args.out, overrides=args.overrides, quiet=args.quiet)
+    if args.dry_run:
+        return _print_dry_run(job, args)
+    from launcher.api import run_job
+    from launcher.console import RunUI
+
+    result = run_job(job, backend=args.backend, out=args.out, cluster=args.cluster, ui=RunUI(quiet=args.quiet or args.json))
+    if args.json:
+        print(json.dumps(result.data, indent=2, default=str))
+    return EXIT_FOR_STATUS.get(result.status, EXIT_JOB_FAILED)
+
+
+def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
+    from launcher.api import dry_run
+
+    dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster)
+    if args.json:
+        print(json.dumps([p.masked() for p in dry.plans], indent=2))
+        return EXIT_OK
+    from rich.console import Console
+
+    from launcher.console import plan_renderables
+
+    console = Console()
+    for thing in plan_renderables(dry.plans, dry.commands):
+        console.print(thing)
+    console.print("dry run: nothing was started (each node runs the command above via `python -m launcher.agent`, "
+                  "torchrun with a parent-death signal)")
+    return EXIT_OK
+
+
+def cmd_devices(argv: Sequence[str]) -> int:
+    p = _Parser(prog="launch devices", description="Show this node's GPUs (like a compact nvidia-smi).")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from launcher.devices import discover
+
+    inventory = discover()
+    if args.json:
+        print(inventory.to_json())
+        return EXIT_OK
+    from rich.console import Console
+
+    from launcher.console import devices_table
+    from launcher.spec import Resources
+
+    default_workers = Resources().cpu_workers
+    for thing in devices_table(inventory, default_workers if isinstance(default_workers, int) else inventory.cpu_count):
+        Console().print(thing)
+    return EXIT_OK
+
+
+def cmd_validate(argv: Sequence[str]) -> int:
+    p = _Parser(prog="launch validate", description="Check job specs without running them.")
+    p.add_argument("jobs", nargs="+")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    from launcher.spec import load_job
+
+    bad = 0
+    for path in args.jobs:
+        try:
+            job = load_job(path, args.overrides)
+        except LauncherError as exc:
+            bad += 1
+            print(str(exc), file=sys.stderr)
+            continue
+        sizes = job.spec.world_sizes or ("auto",)
+        print(f"ok  {path}: {job.spec.name} ({job.spec.backend}, world sizes {list(sizes)})")
+    return EXIT_BAD_INPUT if bad else EXIT_OK
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    p = _Parser(prog="launch report", description="Re-render the table and plots of a past run.")
+    p.add_argument("run_dir")
+    args = p.parse_args(argv)
+    from launcher.report import rerender
+
+    return rerender(Path(args.run_dir))
+
+
+def _ray_command(name: str) -> Callable[[Sequence[str]], int]:
+    def command(argv: Sequence[str]) -> int:
+        from launcher.ray_jobs import job_command
+
+        return job_command(name, argv)
+
+    return command
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "devices": cmd_devices,
+    "validate": cmd_validate,
+    "report": cmd_report,
+    "status": _ray_command("status"),
+    "logs": _ray_command("logs"),
+    "stop": _ray_command("stop"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in COMMANDS and not Path(argv[0]).is_file():
+            return COMMANDS[argv[0]](argv[1:])
+        return cmd_run(argv)
+    except LauncherError as exc:
+        for line in str(exc).splitlines() or ["failed"]:
+            print(f"error: {line}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def entry() -> None:
+    sys.exit(main())

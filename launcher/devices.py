@@ -1,0 +1,211 @@
+"""What a node has: its GPUs (from NVML's command-line face, nvidia-smi) and CPU cores.
+
+Also the device helpers of d2l's "GPUs" chapter (``cpu``, ``gpu``, ``num_gpus``, ``try_gpu``,
+``try_all_gpus``). Discovery never imports torch, so ``launch devices`` answers instantly; the
+helpers import it on first use.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+NVIDIA_SMI_FIELDS = "index,name,memory.total,memory.used,utilization.gpu,uuid"
+NVIDIA_SMI_ARGS = ("--query-gpu=" + NVIDIA_SMI_FIELDS, "--format=csv,noheader,nounits")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int  # index as the processes on this node will see it (after CUDA_VISIBLE_DEVICES)
+    physical_index: int
+    name: str
+    memory_total_mib: int
+    memory_used_mib: int | None
+    utilization_pct: int | None
+    uuid: str
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    hostname: str
+    cpu_count: int
+    gpus: tuple[GpuInfo, ...] = ()
+    source: str = "none"  # where the GPU list came from: nvidia-smi, recorded, none
+    cuda_visible_devices: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "NodeInventory":
+        gpus = tuple(GpuInfo(**g) for g in data.get("gpus", ()))
+        return cls(
+            hostname=data["hostname"],
+            cpu_count=int(data["cpu_count"]),
+            gpus=gpus,
+            source=data.get("source", "none"),
+            cuda_visible_devices=data.get("cuda_visible_devices"),
+            notes=tuple(data.get("notes", ())),
+        )
+
+
+def _optional_int(text: str) -> int | None:
+    text = text.strip()
+    try:
+        return int(float(text))
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
+
+
+def parse_nvidia_smi_csv(text: str) -> list[GpuInfo]:
+    """Parse ``nvidia-smi --query-gpu=index,name,memory.total,memory.used,utilization.gpu,uuid
+    --format=csv,noheader,nounits`` output."""
+    gpus = []
+    for row in csv.reader(io.StringIO(text)):
+        if not row or not row[0].strip():
+            continue
+        if len(row) < 6:
+            raise ValueError(f"unexpected nvidia-smi row: {row!r}")
+        index, name, total, used, util, uuid = (cell.strip() for cell in row[:6])
+        gpus.append(
+            GpuInfo(
+                index=int(index),
+                physical_index=int(index),
+                name=name,
+                memory_total_mib=_optional_int(total) or 0,
+                memory_used_mib=_optional_int(used),
+                utilization_pct=_optional_int(util),
+                uuid=uuid,
+            )
+        )
+    return gpus
+
+
+def apply_visible_devices(gpus: list[GpuInfo], visible: str | None) -> list[GpuInfo]:
+    """Keep and renumber the GPUs that ``CUDA_VISIBLE_DEVICES`` exposes, as CUDA does.
+
+    Entries are indices or (prefixes of) UUIDs; CUDA stops at the first entry it cannot match.
+    """
+    if visible is None:
+        return gpus
+    chosen: list[GpuInfo] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry:
+            break
+        match = None
+        if entry.lstrip("-").isdigit():
+            match = next((g for g in gpus if g.physical_index == int(entry)), None)
+        else:
+            match = next((g for g in gpus if g.uuid.startswith(entry) or g.uuid == f"GPU-{entry}"), None)
+        if match is None or match in chosen:
+            break
+        chosen.append(match)
+    return [
+        GpuInfo(i, g.physical_index, g.name, g.memory_total_mib, g.memory_used_mib, g.utilization_pct, g.uuid)
+        for i, g in enumerate(chosen)
+    ]
+
+
+def usable_cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def run_nvidia_smi() -> str | None:
+    """Raw nvidia-smi CSV, or None where there is no NVIDIA driver."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, *NVIDIA_SMI_ARGS], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def discover(
+    *,
+    query: Callable[[], str | None] = run_nvidia_smi,
+    env: dict[str, str] | None = None,
+    source: str = "nvidia-smi",
+) -> NodeInventory:
+    """This node's inventory. ``query`` returns nvidia-smi CSV; tests pass recorded output."""
+    env = dict(os.environ) if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    notes: list[str] = []
+    raw = query()
+    gpus: list[GpuInfo] = []
+    if raw is None:
+        source = "none"
+        notes.append("no NVIDIA driver found (nvidia-smi missing or failing)")
+    else:
+        try:
+            gpus = apply_visible_devices(parse_nvidia_smi_csv(raw), visible)
+        except ValueError as exc:
+            source = "none"
+            notes.append(f"could not read nvidia-smi output: {exc}")
+        if visible is not None:
+            notes.append(f"CUDA_VISIBLE_DEVICES={visible!r} exposes {len(gpus)} GPU(s)")
+    return NodeInventory(
+        hostname=socket.gethostname(),
+        cpu_count=usable_cpu_count(),
+        gpus=tuple(gpus),
+        source=source,
+        cuda_visible_devices=visible,
+        notes=tuple(notes),
+    )
+
+
+# --- d2l helpers --------------------------------------------------------------------------------
+
+
+def cpu() -> "torch.device":
+    """The CPU device (d2l ``cpu()``)."""
+    import torch
+
+    return torch.device("cpu")
+
+
+def gpu(i: int = 0) -> "torch.device":
+    """The i-th GPU device (d2l ``gpu(i)``); it need not exist yet."""
+    import torch
+
+    return torch.device(f"cuda:{i}")
+
+
+def num_gpus() -> int:
+    """How many GPUs torch can use (d2l ``num_gpus()``)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def try_gpu(i: int = 0) -> "torch.device":
+    """GPU i if it exists, else the CPU (d2l ``try_gpu(i)``)."""
+    return gpu(i) if num_gpus() >= i + 1 else cpu()
+
+
+def try_all_gpus() -> list["torch.device"]:
+    """Every GPU, or ``[cpu()]`` when there is none (d2l ``try_all_gpus()``)."""
+    return [gpu(i) for i in range(num_gpus())] or [cpu()]
+
+
+if __name__ == "__main__":  # used by remote preflight: `python -m launcher.devices`
+    print(discover().to_json())

@@ -1,0 +1,86 @@
+"""Route the agents' merged output into per-rank log files and the console.
+
+Every rank line arrives prefixed ``host:rank| `` (torchrun's log-line prefix template, set by the
+plan), from a local pipe or through SSH alike. The router splits it back into
+``logs/rank<k>.log`` in the run directory, echoes it as ``host:rank`` on the console, and picks
+out the agent's machine-readable failure lines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import IO, Callable
+
+from launcher.agent import FAILURE_TAG
+from launcher.plan import LOG_PREFIX_SEPARATOR
+
+_RANK_LINE = re.compile(r"^(?P<host>[^\s|]+):(?P<rank>\d+)" + re.escape(LOG_PREFIX_SEPARATOR))
+
+Echo = Callable[[str, str], None]  # (source like "host:3" or "agent host", text)
+
+
+class LogRouter:
+    def __init__(self, logs_dir: Path, echo: Echo | None = None) -> None:
+        self.logs_dir = logs_dir
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        self.agent_failures: list[dict] = []
+        self._files: dict[str, IO[str]] = {}
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def follow(self, stream: IO[bytes], source_host: str) -> None:
+        """Read ``stream`` to its end in a background thread."""
+        thread = threading.Thread(target=self._pump, args=(stream, source_host), daemon=True, name=f"logs-{source_host}")
+        thread.start()
+        self._threads.append(thread)
+
+    def _pump(self, stream: IO[bytes], source_host: str) -> None:
+        for raw in iter(stream.readline, b""):
+            self.route(raw.decode("utf-8", errors="replace").rstrip("\n"), source_host)
+        stream.close()
+
+    def route(self, line: str, source_host: str) -> None:
+        match = _RANK_LINE.match(line)
+        if match:
+            text = line[match.end() :]
+            self._write(f"rank{match['rank']}.log", text)
+            if self.echo:
+                self.echo(f"{match['host']}:{match['rank']}", text)
+            return
+        if line.startswith(FAILURE_TAG):
+            try:
+                record = json.loads(line[len(FAILURE_TAG) :])
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                record["host"] = source_host
+                with self._lock:
+                    self.agent_failures.append(record)
+                return
+        self._write(f"agent-{source_host}.log", line)
+        if self.echo and line.strip():
+            self.echo(f"{source_host}:agent", line)
+
+    def write_rank_line(self, rank: int, host: str, text: str) -> None:
+        """For backends whose ranks' output does not come through an agent (e.g. Ray actors)."""
+        self.route(f"{host}:{rank}{LOG_PREFIX_SEPARATOR}{text}", host)
+
+    def _write(self, name: str, text: str) -> None:
+        with self._lock:
+            handle = self._files.get(name)
+            if handle is None:
+                handle = self._files[name] = open(self.logs_dir / name, "a", encoding="utf-8")  # noqa: SIM115
+            handle.write(text + "\n")
+            handle.flush()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        for thread in self._threads:
+            thread.join(timeout_s)
+        with self._lock:
+            for handle in self._files.values():
+                handle.close()
+            self._files.clear()

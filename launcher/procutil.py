@@ -1,0 +1,127 @@
+"""Small OS-level helpers shared by launcher, agent and worker: parent-death signals, atomic
+writes, free ports and process checks. Standard library only (imported before torch)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: signal.Signals, expected_parent: int | None = None) -> None:
+    """Ask the kernel to send ``sig`` when our parent exits, so no process outlives its launcher.
+
+    If the parent already died before the request (the race every pdeathsig user has), exit now.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: rely on process-group teardown alone
+        return
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(128 + int(sig))
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON so that readers see either the old file or the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, default=str)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: str | Path) -> Any | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free right now (bind to 0), so jobs never collide on 29500."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def process_start_time(pid: int | str = "self") -> float | None:
+    """Wall-clock time at which a process started (Linux /proc), to time interpreter start-up."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until the processes exit; return those still alive at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+def signal_name(returncode: int | None) -> str | None:
+    """'SIGKILL' for a return code of -9 (or 137 from a shell), else None."""
+    if returncode is None:
+        return None
+    num = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
+    try:
+        return signal.Signals(num).name if num > 0 else None
+    except ValueError:
+        return None
+
+
+def oom_kill_count() -> int | None:
+    """The cgroup's count of out-of-memory kills, to tell an OOM kill from another SIGKILL."""
+    for events in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        try:
+            for line in Path(events).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None

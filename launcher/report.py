@@ -1,0 +1,25 @@
+"""``launch report RUN_DIR``: re-render a past run's table and plots from its result.json."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, LauncherError
+from launcher.results import RESULT_FILE, load_result, make_plots, write_result
+
+
+def rerender(run_dir: Path) -> int:
+    result = load_result(run_dir)
+    if result is None:
+        raise LauncherError(f"{run_dir / RESULT_FILE}: missing or unreadable; expected a run directory", exit_code=EXIT_BAD_INPUT)
+    from launcher.console import RunUI
+
+    entrypoint = (result.get("spec") or {}).get("entrypoint")
+    plots = make_plots(result, run_dir, entrypoint)
+    result["plots"] = [os.path.relpath(p, run_dir) for p in plots]
+    write_result(run_dir, result)
+    RunUI().finished(result, str(run_dir))
+    for plot in result["plots"]:
+        print(f"plot: {run_dir / plot}")
+    return EXIT_OK

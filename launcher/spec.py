@@ -1,0 +1,261 @@
+"""The job spec: YAML in, one immutable, validated ``JobSpec`` out.
+
+Every problem in a file is collected and reported together, each as one line naming the file,
+the line and the dotted field path, with a "did you mean" for misspelt keys.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import json
+import re
+from pathlib import Path
+from types import MappingProxyType
+from typing import Annotated, Any, Literal, Mapping
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    model_validator,
+)
+
+from launcher.errors import SpecError
+from launcher.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
+
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _scalar_to_str(value: Any) -> Any:
+    # YAML turns `OMP_NUM_THREADS: 4` into an int; env values are strings by nature.
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+def _freeze(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value))
+
+
+FrozenMap = Annotated[
+    dict[str, Any], AfterValidator(_freeze), PlainSerializer(lambda m: dict(m), return_type=dict)
+]
+EnvMap = Annotated[
+    dict[str, Annotated[str, BeforeValidator(_scalar_to_str)]],
+    AfterValidator(_freeze),
+    PlainSerializer(lambda m: dict(m), return_type=dict),
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Resources(_Frozen):
+    nodes: int = Field(1, ge=1, le=4096)
+    gpus_per_node: Literal["auto"] | Annotated[int, Field(ge=0, le=1024)] = "auto"
+    cpu_workers: Literal["auto"] | Annotated[int, Field(ge=1, le=1024)] = 2
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+
+
+class Scaling(_Frozen):
+    workers: tuple[Annotated[int, Field(ge=1, le=65536)], ...] = Field(min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "Scaling":
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError("workers: each world size may appear once")
+        return self
+
+
+class Timeouts(_Frozen):
+    rendezvous_s: float = Field(60, gt=0, le=86_400)
+    run_s: float = Field(3600, gt=0, le=30 * 86_400)
+
+
+class RaySettings(_Frozen):
+    address: str | None = None
+    dashboard_host: str = "127.0.0.1"
+    expose_dashboard: bool = False
+    namespace: str = "gpulaunch"
+
+
+class JobSpec(_Frozen):
+    name: str = Field(pattern=r"^[a-z0-9_-]+$", max_length=64)
+    entrypoint: str | None = Field(None, pattern=ENTRYPOINT.pattern)
+    script: str | None = None
+    args: tuple[Annotated[str, BeforeValidator(_scalar_to_str)], ...] = ()
+    params: FrozenMap = Field(default_factory=dict)
+    backend: Literal["torchrun", "ray"] = "torchrun"
+    resources: Resources = Resources()
+    scaling: Scaling | None = None
+    env: EnvMap = Field(default_factory=dict)
+    timeouts: Timeouts = Timeouts()
+    max_restarts: int = Field(0, ge=0, le=100)
+    cluster: str | None = None
+    ray: RaySettings = RaySettings()
+    extends: str | None = None
+
+    @model_validator(mode="after")
+    def _one_program(self) -> "JobSpec":
+        if (self.entrypoint is None) == (self.script is None):
+            raise ValueError("set exactly one of 'entrypoint' (module:function) or 'script' (a file)")
+        if self.args and self.script is None:
+            raise ValueError("'args' is for 'script' mode; give an entrypoint its 'params'")
+        return self
+
+    @property
+    def world_sizes(self) -> tuple[int, ...] | None:
+        return self.scaling.workers if self.scaling else None
+
+    def fingerprint(self) -> str:
+        """A short hash of the effective spec, shown in results and Ray metadata."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+class LoadedJob(BaseModel):
+    """A spec plus where it came from: relative paths resolve against ``base_dir``."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    spec: JobSpec
+    path: Path
+    base_dir: Path
+
+    def script_path(self) -> Path | None:
+        return None if self.spec.script is None else (self.base_dir / self.spec.script).resolve()
+
+
+def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedJob:
+    """Load, merge (``extends``, ``--set``) and validate a job spec; raise SpecError with every problem."""
+    path = Path(path)
+    sourced = load_yaml(path, what="job spec")
+    _require_mapping(sourced)
+    extends = sourced.data.get("extends")
+    if isinstance(extends, str):
+        base_file = (path.parent / extends).resolve()
+        base = load_yaml(base_file, what="config")
+        _require_mapping(base)
+        sourced = deep_merge(base, sourced)
+    sourced = _apply_overrides(sourced, overrides)
+    spec = _validate(sourced)
+    loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent)
+    check_references(loaded)
+    return loaded
+
+
+def _require_mapping(sourced: SourcedData) -> None:
+    if not isinstance(sourced.data, dict):
+        kind = type(sourced.data).__name__
+        raise SpecError([f"{sourced.origin}: expected a YAML mapping of fields, got a {kind}"])
+
+
+def _apply_overrides(sourced: SourcedData, overrides: list[str] | tuple[str, ...]) -> SourcedData:
+    problems = []
+    data = json.loads(json.dumps(sourced.data, default=str))  # a private deep copy
+    locations = dict(sourced.locations)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_0-9][\w]*)*", key):
+            problems.append(f"--set {item}: expected key.path=value, e.g. --set resources.cpu_workers=4")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        set_path(data, key, value)
+        keys = tuple(int(k) if k.isdigit() else k for k in key.split("."))
+        for end in range(1, len(keys) + 1):
+            locations[keys[:end]] = Location(f"--set {key}")
+    if problems:
+        raise SpecError(problems)
+    return SourcedData(data, locations, sourced.origin)
+
+
+def _validate(sourced: SourcedData) -> JobSpec:
+    try:
+        return JobSpec.model_validate(sourced.data)
+    except ValidationError as exc:
+        # A union field fails once per member; report it once, with every accepted form.
+        grouped: dict[tuple[Any, ...], list[Any]] = {}
+        for err in exc.errors():
+            grouped.setdefault(tuple(p for p in err["loc"] if not _is_union_tag(p)), []).append(err)
+        raise SpecError([_describe(loc, errs, sourced) for loc, errs in grouped.items()]) from None
+
+
+def _describe(loc: tuple[Any, ...], errs: list[Any], sourced: SourcedData) -> str:
+    err = errs[0]
+    where = sourced.locate(loc)
+    dotted = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        choices = _field_names(loc[:-1])
+        hint = difflib.get_close_matches(str(loc[-1]), choices, n=1, cutoff=0.6)
+        tail = f", did you mean '{hint[0]}'?" if hint else f" (expected one of: {', '.join(sorted(choices))})"
+        return f"{where}: {dotted}: unknown key{tail}"
+    if err["type"] == "missing":
+        return f"{where}: {dotted}: required field is missing"
+    msg = " or ".join(_expectation(e) for e in errs).replace(" or expected ", " or ")
+    got = err.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+    return f"{where}: {dotted}: {msg}{shown}"
+
+
+def _expectation(err: Any) -> str:
+    if err["type"] == "string_pattern_mismatch":
+        return f"expected text matching {err['ctx']['pattern']}"
+    msg = str(err["msg"]).replace("Value error, ", "")
+    return re.sub(r"^Input should be ", "expected ", msg)
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic adds the union member's name ("int", "literal['auto']") to the error location.
+    return isinstance(part, str) and (
+        part in {"int", "float", "str", "bool"} or part.startswith(("literal[", "function-", "constrained-"))
+    )
+
+
+def _field_names(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = JobSpec
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def check_references(loaded: LoadedJob) -> None:
+    """The entrypoint's module and the script must exist before anything is spawned."""
+    spec, where = loaded.spec, loaded.path
+    if spec.script is not None:
+        script = loaded.script_path()
+        assert script is not None
+        if not script.is_file():
+            raise SpecError([f"{where}: script: no such file {script}"])
+    if spec.entrypoint is not None:
+        module = spec.entrypoint.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise SpecError([f"{where}: entrypoint: module '{module}' not found on the Python path"])
+
+
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Env for display or storage: values of secret-looking names are masked."""
+    return {k: ("****" if SECRET_NAME.search(k) else v) for k, v in env.items()}

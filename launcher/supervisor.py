@@ -1,0 +1,257 @@
+"""The one run loop, shared by every backend, and the only place that decides a stage's fate.
+
+start -> watch -> on the first failure, a timeout or a signal: stop everything -> collect
+reports -> explain the root cause. Restarts (``max_restarts``) happen here too, so every
+backend gets the same semantics.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from launcher.backends.base import Backend, BackendStatus, RankExit
+from launcher.logstream import LogRouter
+from launcher.plan import LaunchPlan
+from launcher.procutil import cmdline, pid_alive, read_json
+
+POLL_S = 0.05
+STACK_DUMP_WAIT_S = 1.0
+LOG_TAIL_LINES = 20
+
+
+class StopRequest:
+    """Set from a signal handler (Ctrl-C, SIGTERM) or another thread; read by the run loop."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self._event.set()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass
+class StageOutcome:
+    plan: LaunchPlan
+    status: str  # succeeded | failed | timeout | interrupted
+    started_at: float
+    ended_at: float
+    restarts: int = 0
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    failure: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "succeeded"
+
+
+Progress = Callable[[LaunchPlan, dict[str, Any]], None]
+
+
+def run_stage(
+    make_plan: Callable[[int], LaunchPlan],
+    backend_cls: type[Backend],
+    *,
+    stop: StopRequest,
+    echo: Callable[[str, str], None] | None = None,
+    on_progress: Progress | None = None,
+) -> StageOutcome:
+    """Run one stage to its end, restarting the group up to ``max_restarts`` times."""
+    attempt = 0
+    started = time.time()
+    while True:
+        plan = make_plan(attempt)
+        outcome = _run_attempt(plan, backend_cls, stop=stop, echo=echo, on_progress=on_progress)
+        outcome.started_at, outcome.restarts = started, attempt
+        if outcome.ok or outcome.status != "failed" or attempt >= plan.max_restarts or stop:
+            return outcome
+        attempt += 1
+        _archive_attempt(plan.stage_dir, attempt - 1)
+        if echo:
+            echo("launcher", f"restarting the group (restart {attempt} of {plan.max_restarts})")
+
+
+def _archive_attempt(stage_dir: Path, attempt: int) -> None:
+    for name in ("reports", "progress", "logs"):
+        src = stage_dir / name
+        if src.exists():
+            shutil.move(str(src), str(stage_dir / f"attempt{attempt}" / name))
+
+
+def _run_attempt(
+    plan: LaunchPlan,
+    backend_cls: type[Backend],
+    *,
+    stop: StopRequest,
+    echo: Callable[[str, str], None] | None,
+    on_progress: Progress | None,
+) -> StageOutcome:
+    (plan.stage_dir / "reports").mkdir(parents=True, exist_ok=True)
+    (plan.stage_dir / "worker.json").write_text(plan.worker.to_json())
+    logs = LogRouter(plan.stage_dir / "logs", echo)
+    backend = backend_cls(plan, logs)
+    t0 = time.time()
+    deadline = time.monotonic() + plan.run_timeout_s
+    status: BackendStatus | None = None
+    fate = "succeeded"
+    try:
+        backend.start()
+        while True:
+            status = backend.poll()
+            if status.done:
+                fate = "succeeded" if status.ok else "failed"
+                break
+            if _any_rank_failed(plan):
+                fate = "failed"  # fail fast: do not wait for the others' collective timeouts
+                break
+            if stop:
+                fate = "interrupted"
+                break
+            if time.monotonic() > deadline:
+                fate = "timeout"
+                _dump_stacks(plan)
+                break
+            if on_progress is not None:
+                on_progress(plan, progress_snapshot(plan, t0))
+            time.sleep(POLL_S)
+    finally:
+        backend.stop()
+        backend.collect()
+        logs.close()
+    if status is None or not status.done:
+        status = backend.poll()
+    reports = _load_reports(plan)
+    outcome = StageOutcome(plan=plan, status=fate, started_at=t0, ended_at=time.time(), reports=reports)
+    if fate == "succeeded" and any(r["status"] != "ok" for r in reports):
+        outcome.status = fate = "failed"
+    if fate != "succeeded":
+        outcome.failure = explain_failure(plan, fate, reports, status, stop.reason)
+    return outcome
+
+
+def _any_rank_failed(plan: LaunchPlan) -> bool:
+    for path in (plan.stage_dir / "reports").glob("rank*.json"):
+        report = read_json(path)
+        if report and report.get("status") == "failed":
+            return True
+    return False
+
+
+def progress_snapshot(plan: LaunchPlan, t0: float) -> dict[str, Any]:
+    phases: dict[str, int] = {}
+    steps = []
+    for rank in plan.ranks:
+        data = read_json(plan.stage_dir / "progress" / f"rank{rank.rank}.json") or {}
+        phase = data.get("phase", "spawning")
+        phases[phase] = phases.get(phase, 0) + 1
+        steps.append(int(data.get("steps", 0)))
+    return {"phases": phases, "steps_min": min(steps, default=0), "steps_max": max(steps, default=0), "elapsed_s": time.time() - t0}
+
+
+def _local_worker_pids(plan: LaunchPlan) -> dict[int, int]:
+    pids = {}
+    for rank in plan.ranks:
+        data = read_json(plan.stage_dir / "progress" / f"rank{rank.rank}.json") or {}
+        pid = data.get("pid")
+        if isinstance(pid, int) and pid_alive(pid) and str(plan.stage_dir) in cmdline(pid):
+            pids[rank.rank] = pid
+    return pids
+
+
+def _dump_stacks(plan: LaunchPlan) -> None:
+    """Ask every live local rank for a faulthandler stack dump (it lands in the rank's log)."""
+    for pid in _local_worker_pids(plan).values():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(STACK_DUMP_WAIT_S)
+
+
+def _load_reports(plan: LaunchPlan) -> list[dict[str, Any]]:
+    reports = []
+    for rank in plan.ranks:
+        report = read_json(rank.report_path)
+        if report is None:
+            progress = read_json(plan.stage_dir / "progress" / f"rank{rank.rank}.json") or {}
+            report = {
+                "rank": rank.rank,
+                "local_rank": rank.local_rank,
+                "node_rank": rank.node_rank,
+                "world_size": plan.world_size,
+                "host": rank.host,
+                "device": rank.device,
+                "status": "stopped",
+                "last_phase": progress.get("phase", "spawning"),
+                "phases": {},
+                "metrics": {},
+                "error": None,
+            }
+        report["log"] = rank.log_path
+        reports.append(report)
+    return reports
+
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> list[str]:
+    try:
+        return Path(path).read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def explain_failure(
+    plan: LaunchPlan, fate: str, reports: list[dict[str, Any]], status: BackendStatus, stop_reason: str
+) -> dict[str, Any]:
+    """The root cause (first failure) apart from the ranks stopped as collateral."""
+    by_rank = {r["rank"]: r for r in reports}
+    errored = sorted((r for r in reports if r.get("error")), key=lambda r: r["error"].get("time", 0))
+    exits = {e.rank: e for e in status.rank_exits}
+    root: dict[str, Any] | None = None
+    if fate == "failed" and errored:
+        first = errored[0]
+        root = {**_who(first), **{k: first["error"][k] for k in ("type", "message", "traceback")}}
+    elif fate == "failed":
+        signalled = [e for e in exits.values() if e.signal or e.exitcode]
+        if signalled:
+            first_exit = signalled[0]
+            root = {**_who(by_rank.get(first_exit.rank, {"rank": first_exit.rank})), **_describe_exit(first_exit)}
+    if root is not None:
+        root["log_tail"] = log_tail(by_rank.get(root["rank"], {}).get("log", ""))
+    stuck = [r["rank"] for r in reports if r["status"] not in ("ok", "failed")] if fate == "timeout" else []
+    collateral = [r["rank"] for r in reports if r["status"] != "ok" and (root is None or r["rank"] != root["rank"])]
+    summary = {
+        "failed": _root_line(root) if root else status.detail or "the group ended without a rank report",
+        "timeout": f"run exceeded timeouts.run_s={plan.run_timeout_s:g}s; stuck ranks: {stuck or 'none'}",
+        "interrupted": f"interrupted ({stop_reason or 'signal'})",
+    }[fate]
+    return {"reason": fate, "summary": summary, "root_cause": root, "collateral_ranks": collateral, "stuck_ranks": stuck}
+
+
+def _who(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: report.get(k) for k in ("host", "rank", "local_rank", "device")}
+
+
+def _describe_exit(rank_exit: RankExit) -> dict[str, Any]:
+    if rank_exit.signal:
+        oom = " (out of memory: killed by the kernel's OOM killer)" if rank_exit.oom_suspected else ""
+        message = f"killed by {rank_exit.signal}{oom}"
+        kind = "OutOfMemoryKill" if rank_exit.oom_suspected else "KilledBySignal"
+    else:
+        message = f"exited with code {rank_exit.exitcode} without raising a Python exception"
+        kind = "ProcessExit"
+    return {"type": kind, "message": message, "traceback": "", "exitcode": rank_exit.exitcode, "signal": rank_exit.signal}
+
+
+def _root_line(root: dict[str, Any]) -> str:
+    return f"rank {root['rank']} on {root['host']} ({root['device']}): {root['type']}: {root['message']}"

@@ -1,0 +1,228 @@
+"""The runtime inside every rank, shared by all backends.
+
+``python -m launcher.worker STAGE/worker.json`` is what torchrun starts; Ray actors call
+``run_rank`` directly. Either way a rank: records its start-up phases, initialises the process
+group on its own device, runs the job's entrypoint (or a torchrun script, unchanged), turns any
+exception into a report with its traceback (no decorator needed in user code) and writes that
+report atomically. Heavy imports (torch, the job) happen after the phase clock has started.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_STARTED = time.time()
+
+import faulthandler  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Mapping  # noqa: E402
+
+from launcher.plan import WorkerConfig  # noqa: E402
+from launcher.procutil import die_with_parent, process_start_time, write_json_atomic  # noqa: E402
+
+REPORT_VERSION = 1
+
+
+class ProgressBeacon:
+    """Writes this rank's phase and step count to a small file twice a second.
+
+    The launcher's progress display reads these files; the worker never syncs the device for it
+    (the step count is a host integer kept by the metrics recorder).
+    """
+
+    def __init__(self, path: Path, interval_s: float = 0.5) -> None:
+        self.path = path
+        self.phase = "starting"
+        self.steps: Callable[[], int] = lambda: 0
+        self._stop = threading.Event()
+        self._interval = interval_s
+        self._thread = threading.Thread(target=self._loop, name="gpulaunch-progress", daemon=True)
+
+    def start(self) -> None:
+        self.write()
+        self._thread.start()
+
+    def write(self) -> None:
+        try:
+            write_json_atomic(self.path, {"pid": os.getpid(), "phase": self.phase, "steps": self.steps(), "t": time.time()})
+        except OSError:
+            pass  # progress is best effort; the report is what counts
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.write()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.write()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.write()
+
+
+def _error_report(exc: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "time": time.time(),
+    }
+
+
+def run_rank(config: WorkerConfig, env: Mapping[str, str], *, spawned_at: float | None = None) -> dict[str, Any]:
+    """Run one rank to completion and return (and write) its report. Never raises for job errors."""
+    rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
+    world_size = int(env["WORLD_SIZE"])
+    stage_dir = Path(config.stage_dir)
+    host = env.get("LAUNCHER_HOST") or socket.gethostname()
+    phases: dict[str, float] = {"spawned": spawned_at or _T_STARTED, "started": _T_STARTED}
+    report: dict[str, Any] = {
+        "report_version": REPORT_VERSION,
+        "rank": rank,
+        "local_rank": local_rank,
+        "node_rank": int(env.get("GROUP_RANK", "0")),
+        "world_size": world_size,
+        "host": host,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": "cpu" if config.device_type == "cpu" else f"cuda:{local_rank}",
+        "status": "failed",
+        "phases": phases,
+        "metrics": {},
+        "result": None,
+        "error": None,
+        "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+    }
+    beacon = ProgressBeacon(stage_dir / "progress" / f"rank{rank}.json")
+    beacon.start()
+    recorder = None
+    dist = None
+    try:
+        beacon.set_phase("importing")
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(config.threads_per_worker)
+        entry = _load_entrypoint(config.entrypoint) if config.entrypoint else None
+        phases["imported"] = time.time()
+        device = _select_device(torch, config, local_rank)
+        report["device"] = str(device)
+        from launcher.metrics import MetricsRecorder
+
+        recorder = MetricsRecorder(device, on_first_step=lambda: phases.setdefault("first_step", time.time()))
+        beacon.steps = lambda: recorder.steps
+        if entry is None:
+            beacon.set_phase("running")
+            _run_script(config)
+        else:
+            beacon.set_phase("rendezvous")
+            _init_process_group(dist, config, device)
+            phases["pg_ready"] = time.time()
+            from launcher.context import WorkerContext
+
+            ctx = WorkerContext(
+                rank=rank,
+                local_rank=local_rank,
+                world_size=world_size,
+                local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+                node_rank=int(env.get("GROUP_RANK", "0")),
+                host=host,
+                device=device,
+                pg_backend=config.pg_backend,
+                params=config.params,
+                metrics=recorder,
+                stage_dir=stage_dir,
+                threads=config.threads_per_worker,
+            )
+            beacon.set_phase("running")
+            report["result"] = _jsonable(entry(ctx))
+        report["metrics"] = recorder.to_host()
+        report["status"] = "ok"
+    except SystemExit as exc:  # a script's sys.exit(): 0/None is success, as under torchrun
+        if exc.code in (None, 0):
+            report["status"] = "ok"
+        else:
+            report["error"] = _error_report(exc)
+            traceback.print_exc()
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a report
+        report["error"] = _error_report(exc)
+        traceback.print_exc()
+    finally:
+        phases["finished"] = time.time()
+        if recorder is not None and report["status"] == "ok" and not report["metrics"]:
+            report["metrics"] = recorder.to_host()
+        beacon.set_phase("finished" if report["status"] == "ok" else "failed")
+        beacon.stop()
+        write_json_atomic(stage_dir / "reports" / f"rank{rank}.json", report)
+        if dist is not None and dist.is_available() and dist.is_initialized() and report["status"] == "ok":
+            dist.destroy_process_group()
+    return report
+
+
+def _load_entrypoint(entrypoint: str) -> Callable[[Any], Any]:
+    import importlib
+
+    module_name, _, func_name = entrypoint.partition(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def _select_device(torch: Any, config: WorkerConfig, local_rank: int) -> Any:
+    if config.device_type != "cuda":
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise RuntimeError(
+            f"local rank {local_rank} was given cuda:{local_rank} but this process sees {visible} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _init_process_group(dist: Any, config: WorkerConfig, device: Any) -> None:
+    from datetime import timedelta
+
+    kwargs: dict[str, Any] = {"backend": config.pg_backend, "timeout": timedelta(seconds=config.rendezvous_timeout_s)}
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # eager NCCL init: a bad GPU fails here, not at the first collective
+    dist.init_process_group(**kwargs)
+
+
+def _run_script(config: WorkerConfig) -> None:
+    """Run a torchrun-style script exactly as torchrun would: same argv shape, same env."""
+    import runpy
+
+    assert config.script is not None
+    sys.argv = [config.script, *config.args]
+    sys.path.insert(0, str(Path(config.script).parent))
+    runpy.run_path(config.script, run_name="__main__")
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    die_with_parent(signal.SIGKILL)  # the agent's death takes its workers with it
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's stack dump on a hang
+    config = WorkerConfig.from_json(Path(argv[0]).read_text())
+    report = run_rank(config, os.environ, spawned_at=process_start_time())
+    return 0 if report["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Shared test helpers: the repo root, an in-process CLI runner, and process-table checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    import shutil
+
+    has_gpu = shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True, check=False
+    ).returncode == 0
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
+
+
+def launch(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run the real `launch` console script in a child process (as a user would)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """Live processes whose command line mentions ``text`` (e.g. a run directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append(int(entry.name))
+    return found
