@@ -139,7 +139,7 @@ def run_job(
     (run_dir / "spec.yaml").write_text(yaml.safe_dump(effective, sort_keys=False))
     started = time.time()
     outcomes: list[StageOutcome] = []
-    with _stop_on_signals(stop):
+    with _stop_on_signals(stop), backend_cls.session(loaded):
         for size in sizes:
 
             def make_plan(attempt: int, size: int = size) -> LaunchPlan:

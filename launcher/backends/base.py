@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from launcher.logstream import LogRouter
 from launcher.plan import LaunchPlan
@@ -34,6 +35,13 @@ class Backend(ABC):
     """Runs one LaunchPlan. The supervisor drives it; the backend never decides a run's fate."""
 
     name: str = "base"
+
+    @classmethod
+    @contextlib.contextmanager
+    def session(cls, job: Any) -> Iterator[None]:
+        """Resources that live for a whole run, across its stages and restarts (e.g. a Ray
+        runtime). Entered once by ``run_job`` before the first stage; must clean up on exit."""
+        yield
 
     def __init__(self, plan: LaunchPlan, logs: LogRouter) -> None:
         self.plan = plan
