@@ -141,7 +141,7 @@ class RunUI:
         rank = source.rpartition(":")[2]
         style = _RANK_STYLES[int(rank) % len(_RANK_STYLES)] if rank.isdigit() else "dim"
         with self._lock:
-            self.console.print(Text.assemble((f"{source} ", style), text), highlight=False, markup=False)
+            self.console.print(Text.assemble((f"{source} ", style), text), highlight=False, markup=False, soft_wrap=True)
 
     def stage_started(self, plan: LaunchPlan) -> None:
         self.print(Text(f"▶ {plan.job}: world size {plan.world_size} on {plan.worker.device_type} ({plan.backend})", style="bold"))

@@ -1,0 +1,110 @@
+"""Planning is pure: spec x inventory -> ranks, devices, commands; impossible asks fail here."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from launcher.devices import discover
+from launcher.errors import PlanError
+from launcher.plan import NodeTarget, make_plans
+from launcher.spec import load_job
+
+DATA = Path(__file__).parent / "data"
+
+
+def node(name: str, gpus_csv: str | None = None, visible: str | None = None, cpus: int | None = None) -> NodeTarget:
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    inv = discover(query=(lambda: (DATA / gpus_csv).read_text()) if gpus_csv else (lambda: None), env=env)
+    if cpus is not None:
+        from dataclasses import replace
+
+        inv = replace(inv, cpu_count=cpus)
+    return NodeTarget(name=name, address=f"10.0.0.{len(name)}", inventory=inv, python="/usr/bin/python3")
+
+
+def job(tmp_path: Path, extra: str = "") -> object:
+    path = tmp_path / "j.yaml"
+    path.write_text("name: j\nentrypoint: launcher.workloads.matmul:run\n" + extra)
+    return load_job(path)
+
+
+def plans(tmp_path, extra, nodes):
+    return make_plans(job(tmp_path, extra), nodes, run_dir=tmp_path / "run", master_port=41234)
+
+
+def test_gpu_node_gets_one_rank_per_gpu_on_its_own_device(tmp_path):
+    (plan,) = plans(tmp_path, "", [node("gpu-a", "nvidia_smi_h100x4.csv")])
+    assert plan.world_size == 4
+    assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert {r.pg_backend for r in plan.ranks} == {"nccl"}
+    assert plan.worker.device_type == "cuda"
+
+
+def test_cpu_node_uses_gloo_and_shares_the_cores(tmp_path):
+    (plan,) = plans(tmp_path, "resources: {cpu_workers: 2}\n", [node("laptop", cpus=8)])
+    assert [r.device for r in plan.ranks] == ["cpu", "cpu"]
+    assert {r.pg_backend for r in plan.ranks} == {"gloo"}
+    assert plan.worker.threads_per_worker == 4
+    assert plan.nodes[0].env["OMP_NUM_THREADS"] == "4"
+
+
+def test_two_nodes_number_ranks_host_by_host(tmp_path):
+    (plan,) = plans(
+        tmp_path,
+        "resources: {nodes: 2, gpus_per_node: 2}\n",
+        [node("a", "nvidia_smi_h100x4.csv"), node("bb", "nvidia_smi_h100x4.csv")],
+    )
+    assert [(r.rank, r.host, r.local_rank, r.device) for r in plan.ranks] == [
+        (0, "a", 0, "cuda:0"),
+        (1, "a", 1, "cuda:1"),
+        (2, "bb", 0, "cuda:0"),
+        (3, "bb", 1, "cuda:1"),
+    ]
+    assert plan.master_addr == "10.0.0.1"
+    argv = plan.nodes[1].argv
+    assert "--node-rank=1" in argv and "--nnodes=2" in argv and "--master-addr=10.0.0.1" in argv
+    assert "--master-port=41234" in argv and "--rdzv-backend=static" in argv
+
+
+def test_scaling_makes_one_plan_per_world_size(tmp_path):
+    sizes = [p.world_size for p in plans(tmp_path, "scaling: {workers: [1, 2, 4]}\n", [node("g", "nvidia_smi_h100x4.csv")])]
+    assert sizes == [1, 2, 4]
+
+
+def test_more_gpus_than_present_fails_before_spawning(tmp_path):
+    with pytest.raises(PlanError, match=r"resources.gpus_per_node: 8 GPUs requested per node, but g has 2 visible"):
+        plans(tmp_path, "resources: {gpus_per_node: 8}\n", [node("g", "nvidia_smi_h100x4.csv", visible="0,1")])
+
+
+def test_cuda_demanded_on_a_cpu_node_fails(tmp_path):
+    with pytest.raises(PlanError, match="'cuda' requested but laptop has no visible GPU"):
+        plans(tmp_path, "resources: {device: cuda}\n", [node("laptop")])
+
+
+def test_world_size_beyond_capacity_fails(tmp_path):
+    with pytest.raises(PlanError, match="world size 3 requested, but only 2"):
+        plans(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [1, 3]}\n", [node("laptop")])
+
+
+def test_several_nodes_need_a_cluster(tmp_path):
+    with pytest.raises(PlanError, match="cluster"):
+        plans(tmp_path, "resources: {nodes: 2}\n", [node("laptop")])
+
+
+def test_rank_env_is_what_torchrun_gives_a_script(tmp_path):
+    (plan,) = plans(tmp_path, "resources: {cpu_workers: 2}\nenv: {MY_API_TOKEN: hunter2}\n", [node("h")])
+    env = plan.rank_env(plan.ranks[1])
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "41234"}.items():
+        assert env[key] == value
+    assert env["MY_API_TOKEN"] == "hunter2"  # the worker gets the real value ...
+    assert plan.masked()["nodes"][0]["env"]["MY_API_TOKEN"] == "****"  # ... displays never do
+
+
+def test_torchrun_command_is_plain_torchrun_with_the_same_arguments(tmp_path):
+    (plan,) = plans(tmp_path, "", [node("h")])
+    cmd = shlex.split(plan.nodes[0].torchrun_command())
+    assert cmd[0] == "torchrun" and cmd[1:] == list(plan.nodes[0].argv[3:])
+    assert "29500" not in " ".join(cmd)

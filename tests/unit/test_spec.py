@@ -1,0 +1,124 @@
+"""The spec loader: immutable typed values, every problem with file:line and field, overrides."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import SpecError
+from launcher.spec import load_job, mask_env
+
+GOOD = """\
+name: tiny
+entrypoint: launcher.workloads.matmul:run
+params: {sizes: [32], iters: 2}
+resources: {cpu_workers: 2}
+scaling: {workers: [1, 2]}
+env: {OMP_PROC_BIND: "false", NUM: 4}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def problems(path: Path, overrides=()) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_job(path, list(overrides))
+    return info.value.problems
+
+
+def test_good_spec_loads_into_frozen_values(tmp_path):
+    job = load_job(write(tmp_path, GOOD))
+    spec = job.spec
+    assert spec.name == "tiny" and spec.world_sizes == (1, 2)
+    assert spec.env["NUM"] == "4"  # scalars become strings for the environment
+    with pytest.raises(Exception):
+        spec.name = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.params["iters"] = 5  # type: ignore[index]
+
+
+def test_unknown_key_gets_a_suggestion_with_line(tmp_path):
+    path = write(tmp_path, GOOD.replace("resources: {cpu_workers: 2}", "resources:\n  gpus_per_nod: 2"))
+    (line,) = problems(path)
+    assert line == f"{path}:5: resources.gpus_per_nod: unknown key, did you mean 'gpus_per_node'?"
+
+
+def test_every_problem_is_reported_together(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        name: Not Valid
+        entrypoint: launcher.workloads.matmul:run
+        timeouts: {run_s: -1}
+        max_restarts: lots
+        """,
+    )
+    found = problems(path)
+    assert len(found) == 3
+    assert any(p.startswith(f"{path}:1: name:") for p in found)
+    assert any(p.startswith(f"{path}:3: timeouts.run_s:") and "greater than 0" in p for p in found)
+    assert any(p.startswith(f"{path}:4: max_restarts:") and "integer" in p for p in found)
+
+
+def test_union_field_is_one_line_naming_both_forms(tmp_path):
+    path = write(tmp_path, GOOD.replace("{cpu_workers: 2}", "{cpu_workers: 0}"))
+    (line,) = problems(path)
+    assert "resources.cpu_workers" in line and "'auto'" in line and "greater than or equal to 1" in line
+
+
+def test_entrypoint_and_script_are_exclusive(tmp_path):
+    path = write(tmp_path, GOOD + "script: train.py\n")
+    (line,) = problems(path)
+    assert "exactly one of 'entrypoint'" in line
+
+
+def test_missing_module_and_script_are_caught_before_spawn(tmp_path):
+    path = write(tmp_path, GOOD.replace("launcher.workloads.matmul:run", "no_such_module_xyz:run"))
+    assert "module 'no_such_module_xyz' not found" in problems(path)[0]
+    path = write(tmp_path, "name: s\nscript: missing.py\n", "s.yaml")
+    assert "no such file" in problems(path)[0]
+
+
+def test_overrides_parse_yaml_values_and_name_the_flag(tmp_path):
+    path = write(tmp_path, GOOD)
+    job = load_job(path, ["params.iters=7", "scaling.workers=[2]", "env.NEW=x"])
+    assert job.spec.params["iters"] == 7 and job.spec.world_sizes == (2,) and job.spec.env["NEW"] == "x"
+    (line,) = problems(path, ["resources.cpu_workers=many"])
+    assert line.startswith("--set resources.cpu_workers: resources.cpu_workers:")
+    (line,) = problems(path, ["novalue"])
+    assert line.startswith("--set novalue: expected key.path=value")
+
+
+def test_extends_merges_defaults_under_the_spec(tmp_path):
+    write(tmp_path, "timeouts: {run_s: 10}\nenv: {A: base, B: base}\n", "defaults.yaml")
+    path = write(tmp_path, GOOD.replace("env: {", "extends: defaults.yaml\nenv: {A: top, "))
+    spec = load_job(path).spec
+    assert spec.timeouts.run_s == 10 and spec.env["A"] == "top" and spec.env["B"] == "base"
+
+
+def test_duplicate_keys_are_errors(tmp_path):
+    path = write(tmp_path, GOOD + "name: again\n")
+    (line,) = problems(path)
+    assert line == f"{path}:7: name: duplicate key"
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    path = write(tmp_path, GOOD.replace("params: {sizes: [32], iters: 2}", "params: !!python/object/apply:os.system [echo pwned]"))
+    (line,) = problems(path)
+    assert "YAML syntax error" in line and ":3" in line
+
+
+def test_secret_env_values_are_masked():
+    masked = mask_env({"HF_TOKEN": "abc", "AWS_SECRET_ACCESS_KEY": "x", "db_password": "p", "OMP_NUM_THREADS": "4"})
+    assert masked == {"HF_TOKEN": "****", "AWS_SECRET_ACCESS_KEY": "****", "db_password": "****", "OMP_NUM_THREADS": "4"}
+
+
+def test_every_shipped_job_validates(repo):
+    for path in sorted((repo / "jobs").glob("*.yaml")):
+        assert load_job(path).spec.name == path.stem
