@@ -1,0 +1,63 @@
+"""aggregate() is pure: stage outcomes in, the versioned result document out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.devices import NodeInventory
+from launcher.plan import NodeTarget, make_plans
+from launcher.results import aggregate, stage_phases
+from launcher.spec import load_job
+from launcher.supervisor import StageOutcome
+
+
+def _plan(tmp_path: Path, workers: int):
+    spec = tmp_path / "j.yaml"
+    spec.write_text(f"name: j\nentrypoint: launcher.workloads.matmul:run\nparams: {{sizes: [100], iters: 10}}\nresources: {{cpu_workers: {workers}}}\n")
+    node = NodeTarget("h", "127.0.0.1", NodeInventory("h", 4), "python3")
+    (plan,) = make_plans(load_job(spec), [node], run_dir=tmp_path, master_port=1)
+    return plan
+
+
+def _report(rank: int, world: int, ms: float, t0: float) -> dict:
+    return {
+        "rank": rank, "local_rank": rank, "world_size": world, "host": "h", "device": "cpu", "status": "ok",
+        "phases": {"spawned": t0 + 0.5, "started": t0 + 0.6, "imported": t0 + 1.5, "pg_ready": t0 + 1.7,
+                   "first_step": t0 + 1.8, "finished": t0 + 2.0},
+        "metrics": {"steps": 10, "values": {}, "times_ms": {"matmul/100": [ms]}},
+        "result": {"threads": 4 // world}, "error": None,
+    }
+
+
+def test_phases_follow_the_slowest_rank():
+    t0 = 1000.0
+    reports = [_report(0, 2, 1.0, t0), _report(1, 2, 1.0, t0 + 0.25)]
+    phases = stage_phases(t0, reports)
+    assert phases == {"spawn": 0.75, "import": 1.0, "rendezvous": 0.2, "run": 0.3, "to_first_step": 2.05}
+
+
+def test_scaling_efficiency_and_failure_free_status(tmp_path):
+    t0 = 1000.0
+    one = StageOutcome(_plan(tmp_path, 1), "succeeded", t0, t0 + 3, reports=[_report(0, 1, 10.0, t0)])
+    two = StageOutcome(_plan(tmp_path, 2), "succeeded", t0, t0 + 3, reports=[_report(r, 2, 20.0, t0) for r in (0, 1)])
+    result = aggregate([one, two], job="j", run_id="r", backend="torchrun", spec={}, spec_hash="x",
+                       entrypoint="launcher.workloads.matmul:run", params={"sizes": [100], "iters": 10}, started_at=t0)
+    assert result["schema_version"] == 1 and result["status"] == "succeeded"
+    assert result["world_sizes"] == [1, 2] and len(result["ranks"]) == 3
+    rows = {r["workers"]: r for r in result["scaling"]}
+    one_rank = 2 * 100**3 * 10 / 0.010 / 1e9  # GFLOP/s of 10 matmuls of 100x100 in 10 ms
+    assert abs(rows[1]["gflops"] - one_rank) < 1e-3
+    assert abs(rows[2]["gflops"] - one_rank) < 1e-3  # each of two ranks at half the speed
+    assert rows[2]["efficiency"] == 0.5
+    assert result["ranks"][0]["timeline_s"]["first_step"] == 1.8
+
+
+def test_a_failed_stage_makes_the_run_failed_and_keeps_its_failure(tmp_path):
+    t0 = 1000.0
+    ok = StageOutcome(_plan(tmp_path, 1), "succeeded", t0, t0 + 1, reports=[_report(0, 1, 10.0, t0)])
+    bad = StageOutcome(_plan(tmp_path, 2), "failed", t0, t0 + 1, reports=[_report(0, 2, 20.0, t0)],
+                       failure={"reason": "failed", "summary": "rank 1 ..."})
+    result = aggregate([ok, bad], job="j", run_id="r", backend="torchrun", spec={}, spec_hash="x",
+                       entrypoint=None, params={}, started_at=t0)
+    assert result["status"] == "failed" and result["failure"]["summary"] == "rank 1 ..."
+    assert [s["status"] for s in result["stages"]] == ["succeeded", "failed"]
