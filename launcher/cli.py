@@ -47,7 +47,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     from launcher.spec import load_job
 
     job = load_job(args.job, args.overrides)
-    if args.address or (args.backend or job.spec.backend) == "ray" and job.spec.ray.address and not args.dry_run:
+    wants_cluster = args.address or ((args.backend or job.spec.backend) == "ray" and job.spec.ray.address)
+    if wants_cluster and not args.dry_run:
         from launcher.ray_jobs import submit_and_wait
 
         return submit_and_wait(job, address=args.address or job.spec.ray.address, out=args.out, overrides=args.overrides, quiet=args.quiet)
