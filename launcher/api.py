@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import yaml
 
@@ -39,7 +39,7 @@ class DryRun:
     commands: tuple[tuple[str, ...], ...]  # per plan, per node
 
 
-def local_node(job: LoadedJob | None = None) -> NodeTarget:
+def local_node() -> NodeTarget:
     return NodeTarget(name=socket.gethostname(), address="127.0.0.1", inventory=discover(), python=sys.executable)
 
 
@@ -47,7 +47,7 @@ def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
     """This machine, or every host of a cluster file after its preflight checks."""
     cluster_file = cluster or job.spec.cluster
     if cluster_file is None:
-        return [local_node(job)]
+        return [local_node()]
     from launcher.cluster import load_cluster, preflight
 
     path = Path(cluster_file) if cluster else job.base_dir / cluster_file
@@ -85,6 +85,18 @@ def _describe(backend_name: str, plan: LaunchPlan) -> list[str]:
 
         return TorchrunBackend.describe_plan(plan)
     return [f"ray actor {plan.job}-rank{r.rank} on {r.device}" for r in plan.ranks]
+
+
+def _plan_factory(
+    job: LoadedJob, nodes: Sequence[NodeTarget], size: int, device_type: str, run_dir: Path, backend_name: str
+) -> Callable[[int], LaunchPlan]:
+    """Plans for one stage; every attempt (restart) gets a freshly chosen rendezvous port."""
+
+    def make(attempt: int) -> LaunchPlan:
+        port = _rendezvous_port(nodes)
+        return plan_stage(job, nodes, size, device_type, run_dir=run_dir, master_port=port, backend=backend_name)
+
+    return make
 
 
 def new_run_id() -> str:
@@ -141,17 +153,10 @@ def run_job(
     outcomes: list[StageOutcome] = []
     with _stop_on_signals(stop), backend_cls.session(loaded):
         for size in sizes:
-
-            def make_plan(attempt: int, size: int = size) -> LaunchPlan:
-                return plan_stage(
-                    loaded, nodes, size, device_type, run_dir=run_dir, master_port=_rendezvous_port(nodes), backend=name
-                )
-
-            first_plan = make_plan(0)
-            ui.stage_started(first_plan)
+            ui.stage_started(loaded.spec.name, size, device_type, name)
             try:
                 outcome = run_stage(
-                    lambda attempt, first=first_plan, mk=make_plan: first if attempt == 0 else mk(attempt),
+                    _plan_factory(loaded, nodes, size, device_type, run_dir, name),
                     backend_cls,
                     stop=stop,
                     echo=ui.echo,

@@ -143,8 +143,8 @@ class RunUI:
         with self._lock:
             self.console.print(Text.assemble((f"{source} ", style), text), highlight=False, markup=False, soft_wrap=True)
 
-    def stage_started(self, plan: LaunchPlan) -> None:
-        self.print(Text(f"▶ {plan.job}: world size {plan.world_size} on {plan.worker.device_type} ({plan.backend})", style="bold"))
+    def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
+        self.print(Text(f"▶ {job}: world size {world_size} on {device_type} ({backend})", style="bold"))
         if self.console.is_terminal and not self.quiet:
             self._live = Live(Text(""), console=self.console, refresh_per_second=4, transient=True)
             self._live.start()

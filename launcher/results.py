@@ -154,8 +154,8 @@ def _steps_summary(ranks: list[dict[str, Any]]) -> float | None:
 
 def make_plots(result: Mapping[str, Any], run_dir: Path, entrypoint: str | None) -> list[str]:
     hook = getattr(workload_module(entrypoint), "plot", None)
-    if hook is None or result.get("status") not in ("succeeded",) and not result.get("ranks"):
-        return []
+    if hook is None or not result.get("ranks"):
+        return []  # a failed run still plots whatever stages completed
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers
