@@ -12,21 +12,39 @@ import json
 import re
 import threading
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterable, Mapping
 
 from launcher.agent import FAILURE_TAG
 from launcher.plan import LOG_PREFIX_SEPARATOR
+from launcher.spec import SECRET_NAME
+
+MASK = "****"
+MIN_SECRET_LEN = 4  # shorter values ("1", "on") would mask ordinary text
 
 _RANK_LINE = re.compile(r"^(?P<host>[^\s|]+):(?P<rank>\d+)" + re.escape(LOG_PREFIX_SEPARATOR))
 
 Echo = Callable[[str, str], None]  # (source like "host:3" or "agent host", text)
 
 
+def secret_values(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The values of secret-looking env names (``*TOKEN*``, ``*KEY*``, ...), longest first."""
+    found = {v for k, v in env.items() if SECRET_NAME.search(k) and isinstance(v, str) and len(v) >= MIN_SECRET_LEN}
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    for value in secrets:
+        if value in text:
+            text = text.replace(value, MASK)
+    return text
+
+
 class LogRouter:
-    def __init__(self, logs_dir: Path, echo: Echo | None = None) -> None:
+    def __init__(self, logs_dir: Path, echo: Echo | None = None, *, secrets: Iterable[str] = ()) -> None:
         self.logs_dir = logs_dir
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.echo = echo
+        self.secrets = tuple(secrets)  # masked in every log line and on the console
         self.agent_failures: list[dict] = []
         self._files: dict[str, IO[str]] = {}
         self._lock = threading.Lock()
@@ -44,6 +62,7 @@ class LogRouter:
         stream.close()
 
     def route(self, line: str, source_host: str) -> None:
+        line = redact(line, self.secrets)
         match = _RANK_LINE.match(line)
         if match:
             text = line[match.end() :]

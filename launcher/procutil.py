@@ -114,9 +114,27 @@ def signal_name(returncode: int | None) -> str | None:
         return None
 
 
-def oom_kill_count() -> int | None:
-    """The cgroup's count of out-of-memory kills, to tell an OOM kill from another SIGKILL."""
-    for events in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+def _cgroup_event_files() -> list[str]:
+    """This process's own cgroup first (v2 ``0::/path``; v1 ``N:memory:/path``), then the root."""
+    files = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, rel = line.split(":", 2)
+            rel = rel.strip("/")
+            if controllers == "":
+                files.append(str(Path("/sys/fs/cgroup", rel, "memory.events")))
+            elif "memory" in controllers.split(","):
+                files.append(str(Path("/sys/fs/cgroup/memory", rel, "memory.oom_control")))
+    except (OSError, ValueError):
+        pass
+    return [*files, "/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"]
+
+
+def oom_kill_count(files: list[str] | None = None) -> int | None:
+    """The cgroup's count of out-of-memory kills, to tell an OOM kill from another SIGKILL.
+
+    Counted over the agent's own cgroup (hierarchical in cgroup v2, so it covers its workers)."""
+    for events in files if files is not None else _cgroup_event_files():
         try:
             for line in Path(events).read_text().splitlines():
                 key, _, value = line.partition(" ")

@@ -144,6 +144,8 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
     extends = sourced.data.get("extends")
     if isinstance(extends, str):
         base_file = (path.parent / extends).resolve()
+        if not base_file.exists():
+            raise SpecError([f"{sourced.locate(('extends',))}: extends: no such config file {base_file}"])
         base = load_yaml(base_file, what="config")
         _require_mapping(base)
         sourced = deep_merge(base, sourced)
@@ -190,6 +192,10 @@ def _validate(sourced: SourcedData) -> JobSpec:
         grouped: dict[tuple[Any, ...], list[Any]] = {}
         for err in exc.errors():
             grouped.setdefault(tuple(p for p in err["loc"] if not _is_union_tag(p)), []).append(err)
+        # a list whose items failed is also "too short after validation": say only what is wrong
+        for loc in [k for k, errs in grouped.items() if errs[0]["type"] == "too_short"]:
+            if any(other[: len(loc)] == loc and other != loc for other in grouped):
+                del grouped[loc]
         raise SpecError([_describe(loc, errs, sourced) for loc, errs in grouped.items()]) from None
 
 

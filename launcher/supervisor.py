@@ -7,7 +7,9 @@ backend gets the same semantics.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -17,11 +19,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher.backends.base import Backend, BackendStatus, RankExit
-from launcher.logstream import LogRouter
+from launcher.logstream import LogRouter, redact, secret_values
 from launcher.plan import LaunchPlan
-from launcher.procutil import cmdline, pid_alive, read_json
+from launcher.procutil import cmdline, pid_alive, read_json, write_json_atomic
 
 POLL_S = 0.05
+# After the first rank's error report, how long the process layer may take to end by itself
+# (an agent notices its dead worker and reports its exit code or signal) before we stop it all.
+FAILURE_GRACE_S = 2.0
+# Errors a rank raises because a *peer* died under it: collateral, never the root cause when a
+# rank is known to have died without a report of its own.
+PEER_LOSS = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|remote (process|peer|worker)"
+    r"|communicator was aborted|NCCL.*(abort|Watchdog)|peer .*(closed|crashed|died|exited)",
+    re.IGNORECASE,
+)
 STACK_DUMP_WAIT_S = 1.0
 LOG_TAIL_LINES = 20
 
@@ -99,12 +111,14 @@ def _run_attempt(
 ) -> StageOutcome:
     (plan.stage_dir / "reports").mkdir(parents=True, exist_ok=True)
     (plan.stage_dir / "worker.json").write_text(plan.worker.to_json())
-    logs = LogRouter(plan.stage_dir / "logs", echo)
+    secrets = secret_values(plan.spec_env)
+    logs = LogRouter(plan.stage_dir / "logs", echo, secrets=secrets)
     backend = backend_cls(plan, logs)
     t0 = time.time()
     deadline = time.monotonic() + plan.run_timeout_s
     status: BackendStatus | None = None
     fate = "succeeded"
+    failed_at: float | None = None
     try:
         backend.start()
         while True:
@@ -112,8 +126,15 @@ def _run_attempt(
             if status.done:
                 fate = "succeeded" if status.ok else "failed"
                 break
-            if _any_rank_failed(plan):
+            errors = _rank_errors(plan)
+            if any(not _peer_loss(e) for e in errors):
                 fate = "failed"  # fail fast: do not wait for the others' collective timeouts
+                break
+            if errors and failed_at is None:
+                # only "a peer is gone" so far: let the agent report which rank died, and how
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                fate = "failed"
                 break
             if stop:
                 fate = "interrupted"
@@ -131,7 +152,8 @@ def _run_attempt(
         logs.close()
     if status is None or not status.done:
         status = backend.poll()
-    reports = _load_reports(plan)
+    _scrub_files(plan.stage_dir / "torchelastic", secrets)  # torchrun's raw copies of the logs
+    reports = _load_reports(plan, secrets)
     outcome = StageOutcome(plan=plan, status=fate, started_at=t0, ended_at=time.time(), reports=reports)
     if fate == "succeeded" and any(r["status"] != "ok" for r in reports):
         outcome.status = fate = "failed"
@@ -140,12 +162,14 @@ def _run_attempt(
     return outcome
 
 
-def _any_rank_failed(plan: LaunchPlan) -> bool:
+def _rank_errors(plan: LaunchPlan) -> list[dict[str, Any]]:
+    """The errors of the ranks that have reported a failure so far."""
+    errors = []
     for path in (plan.stage_dir / "reports").glob("rank*.json"):
         report = read_json(path)
         if report and report.get("status") == "failed":
-            return True
-    return False
+            errors.append(report.get("error") or {})
+    return errors
 
 
 def progress_snapshot(plan: LaunchPlan, t0: float) -> dict[str, Any]:
@@ -179,10 +203,43 @@ def _dump_stacks(plan: LaunchPlan) -> None:
     time.sleep(STACK_DUMP_WAIT_S)
 
 
-def _load_reports(plan: LaunchPlan) -> list[dict[str, Any]]:
+def _scrub_files(root: Path, secrets: tuple[str, ...]) -> None:
+    """Mask secret env values in files written outside the LogRouter (best effort)."""
+    if not secrets or not root.is_dir():
+        return
+    for path in root.rglob("*"):
+        try:
+            if not path.is_file():
+                continue
+            text = path.read_text(errors="replace")
+            masked = redact(text, secrets)
+            if masked != text:
+                tmp = path.with_name(f".{path.name}.scrub")
+                tmp.write_text(masked)
+                os.replace(tmp, path)
+        except OSError:
+            continue
+
+
+def _mask_report(report: dict[str, Any], path: str, secrets: tuple[str, ...]) -> dict[str, Any]:
+    """A report whose text (an exception message, a result) holds a secret is masked on disk too."""
+    if not secrets:
+        return report
+    text = json.dumps(report, default=str)
+    masked = redact(text, tuple(json.dumps(v)[1:-1] for v in secrets))
+    if masked == text:
+        return report
+    report = json.loads(masked)
+    write_json_atomic(path, report)
+    return report
+
+
+def _load_reports(plan: LaunchPlan, secrets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     reports = []
     for rank in plan.ranks:
         report = read_json(rank.report_path)
+        if report is not None:
+            report = _mask_report(report, rank.report_path, secrets)
         if report is None:
             progress = read_json(plan.stage_dir / "progress" / f"rank{rank.rank}.json") or {}
             report = {
@@ -217,15 +274,19 @@ def explain_failure(
     by_rank = {r["rank"]: r for r in reports}
     errored = sorted((r for r in reports if r.get("error")), key=lambda r: r["error"].get("time", 0))
     exits = {e.rank: e for e in status.rank_exits}
+    # ranks that died without a Python exception of their own: os._exit, a signal, the OOM killer
+    died = [e for e in exits.values() if (e.signal or e.exitcode) and not by_rank.get(e.rank, {}).get("error")]
+    # (in the backend's order: first the ranks that failed on their own, then those their agent stopped)
     root: dict[str, Any] | None = None
-    if fate == "failed" and errored:
+    if fate == "failed" and errored and not (died and _peer_loss(errored[0]["error"])):
         first = errored[0]
         root = {**_who(first), **{k: first["error"][k] for k in ("type", "message", "traceback")}}
-    elif fate == "failed":
-        signalled = [e for e in exits.values() if e.signal or e.exitcode]
-        if signalled:
-            first_exit = signalled[0]
-            root = {**_who(by_rank.get(first_exit.rank, {"rank": first_exit.rank})), **_describe_exit(first_exit)}
+    elif fate == "failed" and died:
+        first_exit = died[0]
+        root = {**_who(by_rank.get(first_exit.rank, {"rank": first_exit.rank})), **_describe_exit(first_exit)}
+    elif fate == "failed" and errored:
+        first = errored[0]
+        root = {**_who(first), **{k: first["error"][k] for k in ("type", "message", "traceback")}}
     if root is not None:
         root["log_tail"] = log_tail(by_rank.get(root["rank"], {}).get("log", ""))
     stuck = [r["rank"] for r in reports if r["status"] not in ("ok", "failed")] if fate == "timeout" else []
@@ -236,6 +297,10 @@ def explain_failure(
         "interrupted": f"interrupted ({stop_reason or 'signal'})",
     }[fate]
     return {"reason": fate, "summary": summary, "root_cause": root, "collateral_ranks": collateral, "stuck_ranks": stuck}
+
+
+def _peer_loss(error: dict[str, Any]) -> bool:
+    return bool(PEER_LOSS.search(f"{error.get('type', '')}: {error.get('message', '')}"))
 
 
 def _who(report: dict[str, Any]) -> dict[str, Any]:

@@ -100,6 +100,8 @@ def run_rank(config: WorkerConfig, env: Mapping[str, str], *, spawned_at: float 
         "result": None,
         "error": None,
         "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        # where this rank met the others: lets a reader check that concurrent jobs never share one
+        "rendezvous": f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}",
     }
     beacon = ProgressBeacon(stage_dir / "progress" / f"rank{rank}.json")
     beacon.start()
@@ -216,7 +218,9 @@ def _jsonable(value: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    die_with_parent(signal.SIGKILL)  # the agent's death takes its workers with it
+    agent = os.environ.get("LAUNCHER_AGENT_PID", "")
+    # the agent's death takes its workers with it (and if it died before we asked, exit now)
+    die_with_parent(signal.SIGKILL, int(agent) if agent.isdigit() else None)
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's stack dump on a hang
     config = WorkerConfig.from_json(Path(argv[0]).read_text())

@@ -1,0 +1,57 @@
+"""Issue 6: the launcher itself is sent SIGINT, SIGTERM or SIGKILL while its workers run.
+
+SIGINT/SIGTERM: exit 130, the run marked interrupted, logs kept, nothing left in the process
+table. SIGKILL (no handler can run): the agent and every worker still disappear on their own,
+through parent-death signals, within a few seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import pids_mentioning
+from tests.integration.faultkit import Launched, describe, record, result_of, wait_no_pids, write_spec
+
+ORPHAN_BOUND_S = 20  # generous for a loaded 2-core box; the measured figure is recorded
+
+
+@pytest.fixture
+def sleeper(tmp_path):
+    spec = write_spec(tmp_path, params={"fault": "sleep"})
+    run = Launched(spec, tmp_path / "runs")
+    yield run
+    run.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupting_the_launcher_stops_everything_and_exits_130(sleeper, sig):
+    workers = sleeper.wait_running(2)
+    run_dir = sleeper.run_dir()
+    assert all(str(run_dir) in open(f"/proc/{pid}/cmdline").read().replace("\0", " ") for pid in workers.values())
+    t0 = time.monotonic()
+    os.kill(sleeper.pid, sig)
+    rc = sleeper.wait(60)
+    record(f"{sig.name} to launcher -> launcher exit", time.monotonic() - t0)
+    out = sleeper.output()
+    assert rc == 130, out
+    result = result_of(run_dir)
+    assert result["status"] == "interrupted"
+    assert result["failure"]["reason"] == "interrupted" and sig.name in result["failure"]["summary"]
+    assert "SignalException" not in out and "Traceback" not in out
+    assert (run_dir / "world2" / "logs" / "rank0.log").read_text().startswith("faulty: rank 0")
+    left, _ = wait_no_pids(str(sleeper.out), 5)
+    assert left == [], f"left behind after {sig.name}:\n{describe(left)}"
+
+
+def test_sigkill_of_the_launcher_leaves_no_agent_and_no_worker(sleeper):
+    workers = sleeper.wait_running(2)
+    before = set(pids_mentioning(str(sleeper.out)))
+    assert set(workers.values()) <= before and sleeper.pid in before and len(before) >= 4  # launcher, agent, 2 ranks
+    os.kill(sleeper.pid, signal.SIGKILL)
+    sleeper.wait(10)
+    left, waited = wait_no_pids(str(sleeper.out), ORPHAN_BOUND_S)
+    record("SIGKILL to launcher -> last worker gone", waited)
+    assert left == [], f"orphans {ORPHAN_BOUND_S}s after the launcher was SIGKILLed:\n{describe(left)}"

@@ -1,0 +1,194 @@
+"""Issue 6, bad input: a corpus of malformed specs and flag combinations. Each one exits 2 with
+one clear line per problem naming the file (and line and field where there is one) or the flag,
+no traceback, no run directory, nothing spawned. Runs the CLI in-process (``main(argv)``),
+plus a few as real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main
+from tests.conftest import REPO
+
+BASE = "name: bad\nentrypoint: launcher.workloads.matmul:run\n"  # lines 1-2
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    text: str | bytes | None  # the spec file's content; None: see `kind`
+    expect: tuple[str, ...]  # substrings of the error line(s)
+    line: int | None = None  # the line the (first) error must name as FILE:LINE
+    argv: tuple[str, ...] = ()  # extra flags
+    kind: str = "file"  # file | dir | missing | nofile (flags only, no spec given)
+    lines: int = 1  # how many error lines (one per problem)
+    files: dict[str, str] = field(default_factory=dict)  # extra files beside the spec
+
+
+CASES = [
+    # --- the file itself -------------------------------------------------------------------------
+    Case("yaml-syntax-unclosed-list", BASE + "params: {sizes: [1, 2}\n", ("YAML syntax error",), line=3),
+    Case("yaml-syntax-bad-indent", BASE + "resources:\n  nodes: 1\n cpu_workers: 2\n", ("YAML syntax error",), line=5),
+    Case("yaml-tab-indent", BASE + "resources:\n\tnodes: 1\n", ("YAML syntax error",), line=4),
+    Case("yaml-two-documents", BASE + "---\nname: other\n", ("found another document",), line=3),
+    Case("empty-file", "", ("empty file, expected a YAML mapping",)),
+    Case("only-comments", "# nothing here\n\n", ("empty file",)),
+    Case("top-level-list", "- name: bad\n", ("expected a YAML mapping of fields, got a list",)),
+    Case("top-level-scalar", "just words\n", ("expected a YAML mapping of fields, got a str",)),
+    Case("directory-not-file", None, ("is a directory, expected a YAML job spec",), kind="dir"),
+    Case("missing-file", None, ("no such job spec",), kind="missing"),
+    Case("non-utf8", b"name: caf\xe9\nentrypoint: launcher.workloads.matmul:run\n", ("not UTF-8 text (byte 9)",)),
+    Case("utf16-bom", "name: bad\n".encode("utf-16"), ("not UTF-8 text",)),
+    Case("duplicate-key", BASE + "name: again\n", ("name: duplicate key",), line=3),
+    Case("unsafe-python-tag", BASE + "params: !!python/object/apply:os.system ['touch /tmp/gpulaunch-pwned']\n",
+         ("YAML",), line=3),
+    # --- unknown keys and wrong types ---------------------------------------------------------------
+    Case("unknown-top-key", BASE + "max_restart: 1\n", ("max_restart: unknown key, did you mean 'max_restarts'?",), line=3),
+    Case("unknown-nested-key", BASE + "resources: {gpus_per_nod: 2}\n", ("resources.gpus_per_nod: unknown key",), line=3),
+    Case("unknown-key-no-match", BASE + "zzz: 1\n", ("zzz: unknown key (expected one of:",), line=3),
+    Case("missing-name", "entrypoint: launcher.workloads.matmul:run\n", ("name: required field is missing",), line=1),
+    Case("name-not-text", "name: 123\nentrypoint: launcher.workloads.matmul:run\n", ("name: expected a valid string",), line=1),
+    Case("name-bad-chars", "name: My Job\nentrypoint: launcher.workloads.matmul:run\n", ("name: expected text matching",), line=1),
+    Case("name-too-long", f"name: {'a' * 65}\nentrypoint: launcher.workloads.matmul:run\n", ("name:", "at most 64"), line=1),
+    Case("entrypoint-and-script", BASE + "script: train.py\n", ("exactly one of 'entrypoint'",)),
+    Case("neither-entrypoint-nor-script", "name: bad\n", ("exactly one of 'entrypoint'",)),
+    Case("entrypoint-no-function", "name: bad\nentrypoint: launcher.workloads.matmul\n", ("entrypoint: expected text matching",), line=2),
+    Case("entrypoint-shell-injection", "name: bad\nentrypoint: 'os:system; rm -rf /'\n", ("entrypoint: expected text matching",), line=2),
+    Case("args-without-script", BASE + "args: [--lr, 1]\n", ("'args' is for 'script' mode",)),
+    Case("params-a-list", BASE + "params: [1, 2]\n", ("params: expected a valid dictionary",), line=3),
+    Case("backend-unknown", BASE + "backend: slurm\n", ("backend: expected 'torchrun' or 'ray'", "slurm"), line=3),
+    Case("env-a-list", BASE + "env: [A, B]\n", ("env: expected a valid dictionary",), line=3),
+    Case("env-value-mapping", BASE + "env: {A: {b: 1}}\n", ("env.A: expected a valid string",), line=3),
+    Case("env-value-null", BASE + "env: {A: null}\n", ("env.A: expected a valid string",), line=3),
+    Case("device-unknown", BASE + "resources: {device: tpu}\n", ("resources.device: expected 'auto', 'cuda' or 'cpu'",), line=3),
+    Case("cpu-workers-text", BASE + "resources: {cpu_workers: two}\n", ("resources.cpu_workers:", "'auto'", "two"), line=3),
+    Case("ray-expose-not-bool", BASE + "ray: {expose_dashboard: maybe}\n", ("ray.expose_dashboard: expected a valid boolean",), line=3),
+    Case("scaling-text", BASE + "scaling: {workers: two}\n", ("scaling.workers:",), line=3),
+    Case("timeouts-text", BASE + "timeouts: {run_s: soon}\n", ("timeouts.run_s: expected a valid number",), line=3),
+    Case("restarts-float", BASE + "max_restarts: 1.5\n", ("max_restarts: expected a valid integer",), line=3),
+    # --- negative, zero and huge numbers -------------------------------------------------------------
+    Case("nodes-zero", BASE + "resources: {nodes: 0}\n", ("resources.nodes: expected greater than or equal to 1",), line=3),
+    Case("nodes-negative", BASE + "resources: {nodes: -1}\n", ("resources.nodes: expected greater than or equal to 1",), line=3),
+    Case("nodes-huge", BASE + "resources: {nodes: 1000000000000}\n", ("resources.nodes: expected less than or equal to 4096",), line=3),
+    Case("cpu-workers-zero", BASE + "resources: {cpu_workers: 0}\n", ("resources.cpu_workers:", "greater than or equal to 1"), line=3),
+    Case("cpu-workers-huge", BASE + "resources: {cpu_workers: 100000}\n", ("resources.cpu_workers:", "less than or equal to 1024"), line=3),
+    Case("gpus-negative", BASE + "resources: {gpus_per_node: -1}\n", ("resources.gpus_per_node:",), line=3),
+    Case("scaling-empty", BASE + "scaling: {workers: []}\n", ("scaling.workers:", "at least 1"), line=3),
+    Case("scaling-zero", BASE + "scaling: {workers: [0]}\n", ("scaling.workers.0: expected greater than or equal to 1",), line=3),
+    Case("scaling-duplicate", BASE + "scaling: {workers: [1, 1]}\n", ("each world size may appear once",), line=3),
+    Case("run-s-negative", BASE + "timeouts: {run_s: -5}\n", ("timeouts.run_s: expected greater than 0",), line=3),
+    Case("run-s-huge", BASE + "timeouts: {run_s: 1.0e+12}\n", ("timeouts.run_s: expected less than or equal to",), line=3),
+    Case("rendezvous-zero", BASE + "timeouts: {rendezvous_s: 0}\n", ("timeouts.rendezvous_s: expected greater than 0",), line=3),
+    Case("restarts-negative", BASE + "max_restarts: -1\n", ("max_restarts: expected greater than or equal to 0",), line=3),
+    Case("restarts-huge", BASE + "max_restarts: 1000\n", ("max_restarts: expected less than or equal to 100",), line=3),
+    # --- several problems: one line each ------------------------------------------------------------
+    Case("three-problems", BASE + "resources: {nodes: 0, cpu_workers: -2}\nmax_restarts: -1\n",
+         ("resources.nodes", "resources.cpu_workers", "max_restarts"), line=3, lines=3),
+    # --- references that do not exist -------------------------------------------------------------
+    Case("module-missing", "name: bad\nentrypoint: no_such_module_xyz:run\n", ("entrypoint: module 'no_such_module_xyz' not found",)),
+    Case("script-missing", "name: bad\nscript: nowhere.py\n", ("script: no such file",)),
+    Case("script-is-directory", "name: bad\nscript: adir\n", ("script: no such file",), files={"adir/": ""}),
+    Case("extends-missing", BASE + "extends: nope.yaml\n", ("extends: no such config file", "nope.yaml"), line=3),
+    Case("extends-broken", BASE + "extends: base.yaml\n", ("base.yaml:2: YAML syntax error",), files={"base.yaml": "a: [\n"}),
+    # --- impossible resources (valid spec, no such machine): caught before any spawn -------------------
+    Case("cuda-without-gpu", BASE + "resources: {device: cuda}\n", ("resources.device: 'cuda' requested but",)),
+    Case("world-larger-than-slots", BASE + "resources: {cpu_workers: 2}\nscaling: {workers: [64]}\n",
+         ("scaling.workers: world size 64 requested, but only 2",)),
+    Case("nodes-without-cluster", BASE + "resources: {nodes: 2}\n", ("resources.nodes: 2 node(s) requested but 1 available",)),
+    # --- flags --------------------------------------------------------------------------------------
+    Case("set-without-equals", BASE, ("--set resources.cpu_workers: expected key.path=value",), argv=("--set", "resources.cpu_workers")),
+    Case("set-bad-key", BASE, ("--set", "expected key.path=value"), argv=("--set", "a..b=1")),
+    Case("set-unknown-field", BASE, ("--set resources.gpus: resources.gpus: unknown key",), argv=("--set", "resources.gpus=2")),
+    Case("set-wrong-type", BASE, ("--set resources.cpu_workers: resources.cpu_workers:", "abc"), argv=("--set", "resources.cpu_workers=abc")),
+    Case("set-negative", BASE, ("--set max_restarts: max_restarts: expected greater than or equal to 0",), argv=("--set", "max_restarts=-3")),
+    Case("backend-flag-unknown", BASE, ("--backend: invalid choice: 'slurm'",), argv=("--backend", "slurm")),
+    Case("unknown-flag", BASE, ("unrecognized arguments: --frobnicate",), argv=("--frobnicate",)),
+    Case("no-job-given", None, ("the following arguments are required: job",), kind="nofile"),
+    Case("cluster-file-missing", BASE, ("no-such-cluster.yaml: no such cluster file",), argv=("--cluster", "no-such-cluster.yaml")),
+]
+
+
+def _materialize(case: Case, tmp_path: Path) -> tuple[list[str], str | None]:
+    path = tmp_path / "bad.yaml"
+    for name, content in case.files.items():
+        if name.endswith("/"):
+            (tmp_path / name).mkdir()
+        else:
+            (tmp_path / name).write_text(content)
+    if case.kind == "dir":
+        path.mkdir()
+    elif case.kind == "file":
+        path.write_bytes(case.text if isinstance(case.text, bytes) else (case.text or "").encode())
+    if case.kind == "nofile":
+        return [*case.argv], None
+    return [str(path), *case.argv], str(path)
+
+
+def _child_pids() -> set[int]:
+    me = str(os.getpid())
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
+                    found.add(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return found
+
+
+def test_the_corpus_is_big_enough():
+    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_exits_2_with_one_clear_line(case: Case, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative --cluster paths and any stray run dir land here
+    argv, spec = _materialize(case, tmp_path)
+    out = tmp_path / "runs"
+    children = _child_pids()
+    rc = main([*argv, "--out", str(out)])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2, captured.err + captured.out
+    assert "Traceback" not in captured.err + captured.out
+    assert len(lines) == case.lines, lines
+    assert all(line.startswith("error: ") for line in lines), lines
+    text = "\n".join(lines)
+    for needle in case.expect:
+        assert needle in text, f"{needle!r} not in {text!r}"
+    if spec is not None and not case.argv[:1] == ("--backend",) and case.id not in ("unknown-flag", "cluster-file-missing"):
+        where = "--set" if case.argv[:1] == ("--set",) else spec if not case.files else str(tmp_path)
+        assert all(where in line for line in lines), f"{where!r} not named in {lines}"
+    if case.line is not None:
+        assert f"{spec}:{case.line}:" in lines[0], lines[0]
+    assert not out.exists(), "a run directory was created for bad input"
+    assert not Path("/tmp/gpulaunch-pwned").exists()
+    assert _child_pids() <= children, "a process was spawned for bad input"
+
+
+@pytest.mark.parametrize("args", [["validate"], ["report", "/nonexistent/run"]], ids=["validate-no-args", "report-missing"])
+def test_subcommands_with_bad_input_exit_2(args, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("content", ["name: bad\nresources: {nodes: 0}\n", b"\xff\xfe\x00garbage"], ids=["invalid", "binary"])
+def test_as_a_real_process_bad_input_exits_2_without_traceback(content, tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_bytes(content if isinstance(content, bytes) else content.encode())
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines and all(line.startswith(f"error: {spec}") for line in lines), lines
+    assert not (tmp_path / "runs").exists()
