@@ -54,13 +54,18 @@ class TorchrunBackend(Backend):
 
     def start(self) -> None:
         self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
+        if any(n.target.ssh is not None for n in self.plan.nodes):  # several servers (issue 4)
+            from launcher.backends import ssh
+
+            ssh.prepare_remote_stages(self.plan)  # stage dir + worker.json on every host
         for node in self.plan.nodes:
             argv, env = self._command(node)
             try:
                 proc = subprocess.Popen(
                     argv,
                     env=env,
-                    stdin=subprocess.DEVNULL,
+                    # over ssh, stdin is the remote agent's lifeline: closing it stops that host
+                    stdin=subprocess.PIPE if node.target.ssh is not None else subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # Ctrl-C reaches the launcher only; it decides teardown
@@ -69,6 +74,8 @@ class TorchrunBackend(Backend):
                 self.stop()
                 raise BackendError(f"cannot start the torchrun agent for {node.host}: {exc}") from None
             assert proc.stdout is not None
+            if node.target.ssh is not None:
+                ssh.send_agent_env(proc, node)
             self.logs.follow(proc.stdout, node.host)
             self._agents.append((node, proc))
 
@@ -94,10 +101,16 @@ class TorchrunBackend(Backend):
                 oom_suspected=bool(rec.get("oom_suspected")),
                 host=rec.get("host"),
             )
-            for rec in self.logs.agent_failures
+            # the ranks that failed on their own first; those their agent stopped, after
+            for rec in sorted(self.logs.agent_failures, key=lambda r: bool(r.get("collateral")))
         )
 
     def stop(self, grace_s: float = 5.0) -> None:
+        remote = [proc for node, proc in self._agents if node.target.ssh is not None and proc.poll() is None]
+        if remote:  # cut every lifeline at once; returns when those hosts have stopped (issue 4)
+            from launcher.backends.ssh import stop_remote_agents
+
+            stop_remote_agents(remote, grace_s)
         running = [proc for _, proc in self._agents if proc.poll() is None]
         for proc in running:
             _signal_group(proc.pid, signal.SIGTERM)
@@ -125,6 +138,12 @@ class TorchrunBackend(Backend):
             except ProcessLookupError:
                 pass
         wait_gone(pids, 5.0)
+
+    def collect(self) -> None:
+        if any(n.target.ssh is not None for n in self.plan.nodes):  # reports back over ssh (issue 4)
+            from launcher.backends.ssh import fetch_reports
+
+            fetch_reports(self.plan, self.logs)
 
     def agent_pids(self) -> list[int]:
         return [proc.pid for _, proc in self._agents]

@@ -1,0 +1,219 @@
+"""One `launch` on the launching host runs, watches and stops a job across three SSH hosts.
+
+Real sshd processes in real network namespaces, real torchrun agents, gloo across veths.
+Every test ends by checking that no process is left in any namespace (`ip netns pids`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import NetnsCluster, sh
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "--set", "resources.nodes=3", "--set", "resources.cpu_workers=1", "--set", "scaling=null",
+    "--set", "params.sizes=[64]", "--set", "params.iters=3", "--set", "params.warmup=1",
+]
+# Spec values a shell would act on; they must arrive as data.
+NASTY = "x; touch {p}/pwned1; $(touch {p}/pwned2) `touch {p}/pwned3` ' \" \\"
+
+
+def assert_clean(cluster: NetnsCluster, timeout_s: float = 3.0) -> None:
+    left = cluster.wait_clean(timeout_s)
+    assert not left, "processes left behind:\n" + cluster.describe(left)
+
+
+@pytest.fixture(scope="module")
+def matmul_run(netns_cluster, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("matmul3")
+    cfg = netns_cluster.cluster_yaml(tmp / "cluster.yaml")
+    nasty = NASTY.format(p=tmp)
+    t0 = time.monotonic()
+    done = netns_cluster.launch(
+        "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(tmp / "runs"), *TINY,
+        "--set", f"params.note={json.dumps(nasty)}", "--set", f"env.GL_PROBE={json.dumps(nasty)}",
+    )
+    elapsed = time.monotonic() - t0
+    run_dirs = list((tmp / "runs" / "matmul_scaling").iterdir()) if (tmp / "runs" / "matmul_scaling").exists() else []
+    return done, run_dirs, tmp, nasty, elapsed
+
+
+def test_job_runs_across_three_hosts_with_ranks_host_by_host(matmul_run, netns_cluster):
+    done, run_dirs, _, _, elapsed = matmul_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = run_dirs
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["world_size"] == 3
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
+    assert [(r["rank"], r["host"], r["node_rank"], r["local_rank"]) for r in ranks] == [
+        (0, "h1", 0, 0), (1, "h2", 1, 0), (2, "h3", 2, 0),
+    ]
+    for r in ranks:
+        assert r["status"] == "ok" and r["device"] == "cpu" and r["world_size"] == 3
+        assert len(r["metrics"]["times_ms"]["matmul/64"]) == 1
+        report = json.loads((run_dir / "world3" / "reports" / f"rank{r['rank']}.json").read_text())
+        assert report["host"] == r["host"]
+    print(f"3-host matmul job: {elapsed:.1f}s end to end")  # noqa: T201 - shown with -s
+
+
+def test_spec_values_reach_ranks_as_data_never_shell(matmul_run):
+    done, run_dirs, tmp, nasty, _ = matmul_run
+    assert done.returncode == 0
+    assert not list(tmp.glob("pwned*")), "a spec value was run by a shell"
+    worker = json.loads((run_dirs[0] / "world3" / "worker.json").read_text())
+    assert worker["params"]["note"] == nasty
+    spec = (run_dirs[0] / "spec.yaml").read_text()
+    assert "GL_PROBE" in spec
+
+
+def test_matmul_run_leaves_no_process_on_any_host(matmul_run, netns_cluster):
+    assert_clean(netns_cluster)
+
+
+# ------------------------------------------------------------------------ failure and teardown
+
+SCRIPT = """\
+import json, os, sys, time
+from pathlib import Path
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"hello from rank {rank} on {os.environ['LAUNCHER_HOST']}", flush=True)
+out = Path(os.environ["GL_OUT"])
+info = {"pid": os.getpid(), "host": os.environ["LAUNCHER_HOST"], "probe": os.environ["GL_PROBE"],
+        "argv": sys.argv[1:], "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+(out / f".rank{rank}.tmp").write_text(json.dumps(info))
+os.replace(out / f".rank{rank}.tmp", out / f"rank{rank}.json")
+dist.barrier()
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def sleeper_job(netns_cluster, tmp_path):
+    """A script-mode job whose three ranks write their pid, then sleep until stopped."""
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "train.py").write_text(SCRIPT)
+    nasty = NASTY.format(p=tmp_path)
+    spec = {
+        "name": "sleeper",
+        "script": "train.py",
+        "args": [nasty, "--flag"],
+        "resources": {"nodes": 3, "cpu_workers": 1},
+        "env": {"GL_OUT": str(tmp_path / "pids"), "GL_PROBE": nasty},
+        "timeouts": {"rendezvous_s": 60, "run_s": 300},
+    }
+    (tmp_path / "sleeper.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    cfg = netns_cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    return tmp_path, cfg, nasty
+
+
+def _start_sleeper(cluster: NetnsCluster, tmp: Path, cfg: Path) -> tuple[subprocess.Popen, dict[int, dict]]:
+    proc = cluster.popen_launch(
+        str(tmp / "sleeper.yaml"), "--cluster", str(cfg), "--out", str(tmp / "runs"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 90
+    infos: dict[int, dict] = {}
+    while len(infos) < 3:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out = proc.communicate()[0]
+            raise AssertionError(f"ranks did not all start (exit {proc.returncode}):\n{out[-4000:]}")
+        for rank in range(3):
+            path = tmp / "pids" / f"rank{rank}.json"
+            if rank not in infos and path.exists():
+                infos[rank] = json.loads(path.read_text())
+        time.sleep(0.1)
+    return proc, infos
+
+
+def _netns_of(pid: int) -> str:
+    return sh("ip", "netns", "identify", str(pid), check=False).stdout.strip()
+
+
+def test_killed_rank_on_one_host_stops_every_host_within_seconds(netns_cluster, sleeper_job, clean_after):
+    tmp, cfg, nasty = sleeper_job
+    proc, infos = _start_sleeper(netns_cluster, tmp, cfg)
+    try:
+        # Each rank really runs in its own host's namespace, got its env and args as data.
+        for rank, host in enumerate(netns_cluster.hosts):
+            assert infos[rank]["host"] == host.name and _netns_of(infos[rank]["pid"]) == host.ns
+            assert infos[rank]["probe"] == nasty and infos[rank]["argv"] == [nasty, "--flag"]
+            assert infos[rank]["ifname"] == "eth0"
+        victim = infos[1]["pid"]
+        t_kill = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        stop_s = time.monotonic() - t_kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not list(tmp.glob("pwned*")), "a spec value was run by a shell"
+    assert proc.returncode == 1, out[-4000:]
+    assert stop_s < 10, f"launcher took {stop_s:.1f}s to exit after the kill"
+    assert "rank 1 on h2" in out and "SIGKILL" in out, out[-3000:]
+    assert "h2:1 hello from rank 1 on h2" in out  # logs stream back prefixed host:rank
+    (run_dir,) = (tmp / "runs" / "sleeper").iterdir()
+    result = json.loads((run_dir / "result.json").read_text())
+    root = result["failure"]["root_cause"]
+    assert (root["host"], root["rank"], root["signal"]) == ("h2", 1, "SIGKILL"), result["failure"]
+    for rank in range(3):
+        log = (run_dir / "world3" / "logs" / f"rank{rank}.log").read_text()
+        assert f"hello from rank {rank}" in log
+    assert_clean(netns_cluster)
+    print(f"rank kill -> launcher exit: {stop_s:.2f}s")  # noqa: T201
+
+
+def test_ctrl_c_on_the_launcher_stops_every_host(netns_cluster, sleeper_job, clean_after):
+    tmp, cfg, _ = sleeper_job
+    proc, _ = _start_sleeper(netns_cluster, tmp, cfg)
+    try:
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        stop_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert stop_s < 10, f"Ctrl-C took {stop_s:.1f}s"
+    assert_clean(netns_cluster)
+    print(f"Ctrl-C -> launcher exit: {stop_s:.2f}s")  # noqa: T201
+
+
+def test_killed_launcher_leaves_nothing_on_any_host(netns_cluster, sleeper_job, clean_after):
+    """SIGKILL gives the launcher no chance to clean up: the ssh clients' stdin (the lifeline)
+    closes with it, each remote wrapper stops its agent and ranks, and the ssh clients exit."""
+    tmp, cfg, _ = sleeper_job
+    proc, infos = _start_sleeper(netns_cluster, tmp, cfg)
+    t0 = time.monotonic()
+    proc.kill()
+    proc.communicate(timeout=30)
+    left = netns_cluster.wait_clean(timeout_s=20)
+    gone_s = time.monotonic() - t0
+    assert not left, "processes left behind:\n" + netns_cluster.describe(left)
+    assert gone_s < 15
+    print(f"launcher SIGKILL -> every host clean: {gone_s:.2f}s")  # noqa: T201
+
+
+def test_dry_run_prints_quoted_ssh_commands(netns_cluster, tmp_path):
+    cfg = netns_cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    done = netns_cluster.launch("jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--dry-run", "--json", *TINY, "--out", str(tmp_path / "r w"))
+    assert done.returncode == 0, done.stderr
+    (plan,) = json.loads(done.stdout)
+    assert [n["host"] for n in plan["nodes"]] == ["h1", "h2", "h3"]
+    assert plan["rendezvous"].startswith("10.231.7.11:")
+    assert not (tmp_path / "r w").exists()  # nothing was started or created
+    assert_clean(netns_cluster)

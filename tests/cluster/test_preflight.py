@@ -1,0 +1,87 @@
+"""Preflight over real SSH: every host checked in parallel, each failure names its host, and
+nothing is started when any check fails."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from launcher.cluster import local_torch_version
+from tests.cluster.conftest import NetnsCluster
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+PREFLIGHT_SNIPPET = textwrap.dedent(
+    """\
+    import json, sys, time
+    from launcher.cluster import load_cluster, preflight, remote_free_port
+    t0 = time.monotonic()
+    nodes = preflight(load_cluster(sys.argv[1]))
+    t1 = time.monotonic()
+    port = remote_free_port(nodes[0])
+    print(json.dumps({"seconds": t1 - t0, "port_seconds": time.monotonic() - t1, "port": port,
+                      "nodes": [[n.name, n.address, n.ifname, n.inventory.cpu_count, n.inventory.gpu_count] for n in nodes]}))
+    """
+)
+
+
+def test_preflight_checks_every_host_in_parallel(netns_cluster: NetnsCluster, tmp_path):
+    cfg = netns_cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    done = subprocess.run(
+        netns_cluster.ns_cmd(sys.executable, "-c", PREFLIGHT_SNIPPET, str(cfg)), cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert [n[:3] for n in data["nodes"]] == [["h1", "10.231.7.11", "eth0"], ["h2", "10.231.7.12", "eth0"], ["h3", "10.231.7.13", "eth0"]]
+    assert all(n[3] >= 1 and n[4] == 0 for n in data["nodes"])  # the remote discovery ran there
+    assert 1024 <= data["port"] <= 65535
+    assert data["seconds"] < 5, data
+    print(f"preflight of 3 hosts: {data['seconds']:.2f}s; rendezvous port pick: {data['port_seconds']:.2f}s")  # noqa: T201
+
+
+def _fake_old_torch_python(tmp_path) -> str:
+    """A Python for which importlib.metadata reports torch 1.0.0 (a mismatched host)."""
+    site = tmp_path / "oldtorch"
+    dist = site / "torch-1.0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 1.0.0\n")
+    wrapper = tmp_path / "python-oldtorch"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_every_failing_host_is_named_and_nothing_starts(netns_cluster: NetnsCluster, tmp_path):
+    h1, h2, h3 = netns_cluster.hosts
+    cfg = netns_cluster.cluster_yaml(
+        tmp_path / "cluster.yaml",
+        [
+            {"name": "h1", "address": h1.address},
+            {"name": "h2", "address": h2.address, "ifname": "ib0"},  # an interface it lacks
+            {"name": "h3", "address": h3.address, "python": _fake_old_torch_python(tmp_path)},  # old torch
+            {"name": "ghost", "address": "10.231.7.99", "connect_timeout_s": 2},  # no such host
+            {"name": "nopython", "address": h1.address, "python": "/nonexistent/bin/python3"},
+        ],
+    )
+    t0 = time.monotonic()
+    done = netns_cluster.launch(
+        "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(tmp_path / "runs"), "--set", "resources.nodes=5"
+    )
+    elapsed = time.monotonic() - t0
+    assert done.returncode != 0
+    err = done.stderr
+    assert "h2: ifname: network interface 'ib0' not found" in err, err
+    assert "h3: torch 1.0.0 does not match torch" in err and local_torch_version() in err, err
+    assert "ghost: unreachable over SSH" in err, err
+    assert "nopython: python: /nonexistent/bin/python3 not found" in err, err
+    assert not [ln for ln in err.splitlines() if ln.startswith("h1")], err  # the healthy host is not blamed
+    assert "nothing was started" in err
+    assert not (tmp_path / "runs").exists()
+    assert not netns_cluster.leftovers()
+    assert elapsed < 15, f"preflight with an unreachable host took {elapsed:.1f}s"

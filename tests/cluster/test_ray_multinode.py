@@ -1,0 +1,167 @@
+"""Ray across two "servers": a head in h1's namespace, a worker in h2's; the job's ranks spread
+over both nodes and result.json names each rank's host.
+
+The Ray processes run with `--block` and their own temp dirs, so nothing touches another Ray on
+this machine (no `ray stop`: it would kill every Ray here); teardown kills what is left in our
+namespaces, by pid.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import PREFIX, NetnsCluster, netns_pids
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+RAY = str(Path(sys.executable).with_name("ray"))
+GCS_PORT, DASHBOARD_PORT = 6379, 8265
+
+
+def _ray_env(token: str) -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@pytest.fixture(scope="module")
+def ray_two_nodes(netns_cluster: NetnsCluster, tmp_path_factory):
+    if importlib.util.find_spec("ray") is None or not Path(RAY).exists():
+        pytest.skip("needs Ray (pip install 'gpulaunch[ray]')")
+    h1, h2 = netns_cluster.hosts[:2]
+    token = secrets.token_hex(16)
+    logs = tmp_path_factory.mktemp("ray")
+    procs: list[subprocess.Popen] = []
+    common = ["--block", "--num-cpus=1", "--num-gpus=0", "--object-store-memory=100000000", "--disable-usage-stats"]
+    try:
+        head_cmd = [RAY, "start", "--head", f"--node-ip-address={h1.address}", f"--port={GCS_PORT}",
+                    "--include-dashboard=true", f"--dashboard-host={h1.address}", f"--dashboard-port={DASHBOARD_PORT}",
+                    f"--temp-dir=/tmp/{PREFIX}-ray1", *common]
+        procs.append(subprocess.Popen(netns_cluster.ns_cmd(*head_cmd, ns=h1.ns), env=_ray_env(token),
+                                      stdout=open(logs / "head.log", "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115
+        _wait_for(lambda: _nodes_alive(netns_cluster, h1, token) >= 1, 90, logs / "head.log")
+        worker_cmd = [RAY, "start", f"--address={h1.address}:{GCS_PORT}", f"--node-ip-address={h2.address}",
+                      f"--temp-dir=/tmp/{PREFIX}-ray2", *common]
+        procs.append(subprocess.Popen(netns_cluster.ns_cmd(*worker_cmd, ns=h2.ns), env=_ray_env(token),
+                                      stdout=open(logs / "worker.log", "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115
+        _wait_for(lambda: _nodes_alive(netns_cluster, h1, token) >= 2, 90, logs / "worker.log")
+        yield netns_cluster, token, f"http://{h1.address}:{DASHBOARD_PORT}"
+    finally:
+        for ns in (h1.ns, h2.ns, netns_cluster.cli_ns):
+            _stop_namespace_processes(ns, keep=netns_cluster.sshd_pids())
+        for proc in procs:
+            proc.wait(10)
+        for k in (1, 2):
+            shutil.rmtree(f"/tmp/{PREFIX}-ray{k}", ignore_errors=True)
+
+
+def _stop_namespace_processes(ns: str, keep: set[int]) -> None:
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        pids = netns_pids(ns) - keep
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while netns_pids(ns) - keep and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+NODES_SNIPPET = """
+import json, ray
+ray.init(address="{address}", logging_level="ERROR", log_to_driver=False)
+print("NODES", json.dumps(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])))
+"""
+
+
+def _alive_addresses(cluster: NetnsCluster, host, token: str) -> list[str]:
+    done = subprocess.run(
+        cluster.ns_cmd(sys.executable, "-c", NODES_SNIPPET.format(address=f"{host.address}:{GCS_PORT}"), ns=host.ns),
+        env=_ray_env(token), capture_output=True, text=True, timeout=60,
+    )
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("NODES ")), None)
+    return json.loads(line[6:]) if line else []
+
+
+def _nodes_alive(cluster: NetnsCluster, host, token: str) -> int:
+    return len(_alive_addresses(cluster, host, token))
+
+
+def _wait_for(predicate, timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Ray did not come up in {timeout_s}s:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(1)
+
+
+def test_ray_cluster_spans_two_namespaces(ray_two_nodes):
+    cluster, token, _ = ray_two_nodes
+    h1, h2 = cluster.hosts[:2]
+    assert _alive_addresses(cluster, h1, token) == sorted([h1.address, h2.address])
+
+
+def _ray_job(cluster: NetnsCluster, tmp_path: Path, token: str, *launch_args: str, ns: str | None = None, env: dict | None = None):
+    return subprocess.run(
+        cluster.ns_cmd(sys.executable, "-m", "launcher", "jobs/matmul_scaling.yaml", "--backend", "ray", *launch_args,
+                       "--out", str(tmp_path / "runs"), "--set", "resources.cpu_workers=2", "--set", "scaling.workers=[2]",
+                       "--set", "params.sizes=[64]", "--set", "params.iters=3", "--set", "params.warmup=1",
+                       "--set", "timeouts.rendezvous_s=20", ns=ns),
+        cwd=REPO, env={**_ray_env(token), **(env or {})}, capture_output=True, text=True, timeout=240,
+    )
+
+
+def _assert_spread(done: subprocess.CompletedProcess, tmp_path: Path) -> None:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (result_file,) = (tmp_path / "runs").rglob("result.json")
+    result = json.loads(result_file.read_text())
+    assert result["backend"] == "ray" and result["status"] == "succeeded"
+    ranks = sorted((r for r in result["ranks"] if r["world_size"] == 2), key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["status"] == "ok" and r.get("host") for r in ranks)
+    # One rank per node (each node has one CPU): node_rank tells the nodes apart. The namespaces
+    # share one hostname, so `host` alone cannot show the spread here (on real servers it does).
+    assert sorted(r["node_rank"] for r in ranks) == [0, 1], ranks
+    print(textwrap.shorten(f"ray ranks: {[(r['rank'], r['host'], r['node_rank']) for r in ranks]}", 300))  # noqa: T201
+
+
+def _need_ray_backend(*modules: str) -> None:
+    missing = [m for m in ("launcher.backends.ray", *modules) if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"the Ray backend is not in this tree yet (missing {', '.join(missing)})")
+
+
+NOT_SPREAD_YET = pytest.mark.xfail(
+    reason="issue 4.5 pending in launcher/backends/ray.py: a one-node plan uses a STRICT_PACK placement group, "
+    "so 2 ranks never spread over two 1-CPU nodes (gang scheduling times out)",
+    strict=False,
+)
+
+
+@NOT_SPREAD_YET
+def test_ray_backend_spreads_ranks_over_both_nodes(ray_two_nodes, tmp_path):
+    """The launcher as a driver connected to the cluster (what a Ray job's entrypoint does)."""
+    _need_ray_backend()
+    cluster, token, _ = ray_two_nodes
+    h1 = cluster.hosts[0]
+    done = _ray_job(cluster, tmp_path, token, ns=h1.ns,
+                    env={"GPULAUNCH_RAY_CONNECT": "1", "RAY_ADDRESS": f"{h1.address}:{GCS_PORT}"})
+    _assert_spread(done, tmp_path)
+
+
+@NOT_SPREAD_YET
+def test_launch_with_address_runs_across_both_nodes(ray_two_nodes, tmp_path):
+    """`launch ... --address http://HEAD:8265` from the launching host (Ray Jobs API)."""
+    _need_ray_backend("launcher.ray_jobs")
+    cluster, token, address = ray_two_nodes
+    _assert_spread(_ray_job(cluster, tmp_path, token, "--address", address), tmp_path)
