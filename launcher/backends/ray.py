@@ -1,0 +1,609 @@
+"""The Ray backend: one Ray actor per rank, reserved together in a placement group.
+
+The actors run the same per-rank runtime as torchrun's workers (``launcher.worker.run_rank``)
+with the env torchrun would give them (``LaunchPlan.rank_env``), and form one torch.distributed
+process group whose address and port come from rank 0's node. ``RayBackend.session`` starts an
+embedded local Ray once per run (dashboard on 127.0.0.1) and shuts it down completely at the end;
+inside a Ray job (``launch --address``, see ``launcher.ray_jobs``) it connects to that cluster.
+
+Lifecycle of one stage: ``start`` creates the placement group (gang scheduling: all bundles or
+none) and the named actors ``<job>-rank<k>``; ``poll`` waits for the group within
+``timeouts.rendezvous_s``, then hands every actor its env and runs it, streams each actor's output
+to the LogRouter and reports how ranks ended; ``stop`` kills the actors and removes the group;
+``collect`` writes the returned reports into the launcher's stage directory.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from launcher.backends.base import Backend, BackendStatus, RankExit
+from launcher.errors import BackendError, LauncherError
+from launcher.plan import LaunchPlan
+from launcher.procutil import pid_alive, process_start_time, read_json, wait_gone, write_json_atomic
+
+CONNECT_ENV = "GPULAUNCH_RAY_CONNECT"  # set by launcher.ray_jobs: connect to the cluster, never embed
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+DRAIN_WAIT_S = 0.5
+STEP_TIME_BUCKETS_S = [0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]
+_log = logging.getLogger(__name__)
+
+
+# --- the run-wide session: embedded Ray or a connection to a cluster ------------------------------
+
+
+def check_dashboard_exposure(host: str, expose: bool) -> None:
+    """Binding the dashboard beyond localhost needs ``ray.expose_dashboard`` and token auth on."""
+    if host in LOCAL_HOSTS:
+        return
+    if not expose:
+        raise LauncherError(
+            f"ray.dashboard_host: {host!r} exposes the Ray dashboard beyond this machine; "
+            "set ray.expose_dashboard: true (and keep token auth on) to allow it",
+            exit_code=2,
+        )
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        raise LauncherError(
+            "ray.expose_dashboard: refused because RAY_AUTH_MODE=disabled; an exposed dashboard needs "
+            "token auth (unset RAY_AUTH_MODE or set it to 'token')",
+            exit_code=2,
+        )
+
+
+def job_metadata(spec: Any) -> dict[str, str]:
+    """What the dashboard's Jobs view shows for a run (Ray metadata values are strings)."""
+    sizes = list(spec.world_sizes or [])
+    return {
+        "job_name": spec.name,
+        "world_size": str(max(sizes)) if sizes else "auto",
+        "world_sizes": ",".join(map(str, sizes)) or "auto",
+        "spec_hash": spec.fingerprint(),
+        "launcher": "gpulaunch",
+    }
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_leftovers(pids: dict[int, float | None]) -> None:
+    """SIGKILL, by pid, what the embedded Ray left behind (checked by start time against reuse)."""
+    alive = [p for p in wait_gone(list(pids), 10.0) if process_start_time(p) == pids[p]]
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_gone(alive, 5.0)
+    for pid in alive:  # our own children that died: reap them so no zombie remains
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def _embedded_cpus(job: Any) -> int:
+    res = job.spec.resources
+    wanted = [res.cpu_workers] if isinstance(res.cpu_workers, int) else []
+    wanted += list(job.spec.world_sizes or [])
+    return max([os.cpu_count() or 1, *wanted])
+
+
+@contextlib.contextmanager
+def ray_session(job: Any) -> Iterator[None]:
+    """Connect to Ray for one run: the user's own ``ray.init``, a cluster (inside a Ray job), or an
+    embedded local Ray that is shut down completely, every process of it gone, on exit."""
+    settings = job.spec.ray
+    check_dashboard_exposure(settings.dashboard_host, settings.expose_dashboard)
+    if ray.is_initialized():  # a notebook that called ray.init itself keeps its Ray
+        yield
+        return
+    from ray.job_config import JobConfig
+
+    job_config = JobConfig(metadata=job_metadata(job.spec))
+    common = dict(namespace=settings.namespace, log_to_driver=False, logging_level=logging.WARNING, job_config=job_config)
+    embedded = not os.environ.get(CONNECT_ENV)
+    try:
+        if embedded:
+            ctx = ray.init(
+                address="local",
+                num_cpus=_embedded_cpus(job),
+                include_dashboard=True,
+                dashboard_host=settings.dashboard_host,
+                object_store_memory=256 * 1024**2,
+                **common,
+            )
+        else:
+            ctx = ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", **common)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise BackendError(f"cannot start Ray: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if ctx.dashboard_url:
+        print(f"Ray dashboard: http://{ctx.dashboard_url}  ({'embedded' if embedded else 'cluster'}, namespace {settings.namespace})", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        ours = {p: process_start_time(p) for p in _descendants(os.getpid())} if embedded else {}
+        ray.shutdown()
+        if ours:
+            _kill_leftovers(ours)
+
+
+# --- the actor: one rank ---------------------------------------------------------------------------
+
+
+class _OutputTee:
+    """Captures this process's fds 1 and 2 (Python and C output alike) line by line for the
+    launcher, and still writes everything to Ray's own log files."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=limit)
+        self.cond = threading.Condition()
+        read_fd, write_fd = os.pipe()
+        self._original = os.dup(1)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.reconfigure(line_buffering=True)
+        threading.Thread(target=self._pump, args=(read_fd,), daemon=True, name="gpulaunch-tee").start()
+
+    def _pump(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as pipe:
+            for raw in pipe:
+                with contextlib.suppress(OSError):
+                    os.write(self._original, raw)
+                with self.cond:
+                    self.lines.append(raw.decode("utf-8", errors="replace").rstrip("\n"))
+                    self.cond.notify_all()
+
+    def drain(self, wait_s: float) -> list[str]:
+        with self.cond:
+            if not self.lines and wait_s > 0:
+                self.cond.wait(wait_s)
+            out = list(self.lines)
+            self.lines.clear()
+        return out
+
+
+class _StepMetrics:
+    """Ray metrics for the dashboard: the step hook only bumps host numbers (no device sync);
+    a background thread exports them once a second."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.tags = {"job": job, "rank": str(rank)}
+        keys = ("job", "rank")
+        self.counter = Counter("gpulaunch_steps", description="steps done by a rank", tag_keys=keys)
+        self.gauge = Gauge("gpulaunch_step_time_s", description="last host time between steps", tag_keys=keys)
+        self.hist = Histogram("gpulaunch_step_seconds", description="host time between steps", boundaries=STEP_TIME_BUCKETS_S, tag_keys=keys)
+        self.pending: collections.deque[float] = collections.deque(maxlen=10_000)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="gpulaunch-metrics")
+        self._thread.start()
+
+    def hook(self, _steps: int, seconds: float) -> None:  # in the step loop: host numbers only
+        self.pending.append(seconds)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.flush()
+
+    def flush(self) -> None:
+        batch = []
+        while self.pending:
+            batch.append(self.pending.popleft())
+        if not batch:
+            return
+        with contextlib.suppress(Exception):  # metrics are best effort; the report is what counts
+            self.counter.inc(len(batch), tags=self.tags)
+            self.gauge.set(batch[-1], tags=self.tags)
+            for seconds in batch[-1000:]:
+                self.hist.observe(seconds, tags=self.tags)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+
+
+def _install_step_hook(hook: Any) -> None:
+    """Give every MetricsRecorder made in this (dedicated) actor process the Ray metrics hook."""
+    import launcher.metrics as metrics
+
+    base = metrics.MetricsRecorder
+    if getattr(base, "_gpulaunch_ray", False):
+        return
+
+    class RayMetricsRecorder(base):  # type: ignore[misc, valid-type]
+        _gpulaunch_ray = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.add_step_hook(hook)
+
+    metrics.MetricsRecorder = RayMetricsRecorder
+
+
+class RankActor:
+    """One rank. Threaded (``max_concurrency``) so the launcher can drain output while it runs."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        self.job, self.rank = job, rank
+        self.tee = _OutputTee()
+        self.started = time.time()
+
+    def probe(self, want_port: bool) -> dict[str, Any]:
+        ip = ray.util.get_node_ip_address()
+        port = None
+        if want_port:
+            from launcher.procutil import free_port
+
+            port = free_port(ip)
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ip,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "port": port,
+        }
+
+    def drain(self, wait_s: float) -> list[str]:
+        return self.tee.drain(wait_s)
+
+    def run(self, config_json: str, env: dict[str, str], same_node: bool) -> dict[str, Any]:
+        from launcher.plan import WorkerConfig
+        from launcher.worker import run_rank
+
+        config = WorkerConfig.from_json(config_json)
+        if not same_node:  # the launcher's stage dir is not here: keep files local, return the report
+            config = WorkerConfig.from_json(config_json.replace(config.stage_dir, tempfile.mkdtemp(prefix="gpulaunch-")))
+        os.environ.update(env)
+        metrics = _StepMetrics(self.job, self.rank)
+        _install_step_hook(metrics.hook)
+        mismatch = _device_mismatch(config.device_type, env)
+        if mismatch:
+            return _failed_report(config, env, "DeviceMismatch", mismatch)
+        try:
+            return run_rank(config, os.environ, spawned_at=self.started)
+        finally:
+            metrics.close()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+
+
+def _device_mismatch(device_type: str, env: dict[str, str]) -> str | None:
+    """Ray rewrites CUDA_VISIBLE_DEVICES per actor (ray#40803); check ours took effect: the node's
+    granted GPUs visible, and this rank's own at position LOCAL_RANK (its ``cuda:<local_rank>``)."""
+    if device_type != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    local_rank, granted = int(env["LOCAL_RANK"]), env.get("GPULAUNCH_GRANTED_GPU", "")
+    if local_rank >= len(visible) or visible[local_rank] != granted:
+        return f"rank {env['RANK']} was granted GPU {granted} but cuda:{local_rank} is GPU {visible[local_rank] if local_rank < len(visible) else 'none'} (CUDA_VISIBLE_DEVICES={','.join(visible)})"
+    import torch
+
+    if torch.cuda.device_count() != len(visible):
+        return f"rank {env['RANK']} sees {torch.cuda.device_count()} GPU(s), expected {len(visible)} (CUDA_VISIBLE_DEVICES={','.join(visible)}; was CUDA initialised before the launcher set it?)"
+    return None
+
+
+def _failed_report(config: Any, env: dict[str, str], kind: str, message: str) -> dict[str, Any]:
+    report = {
+        "report_version": 1,
+        "rank": int(env["RANK"]),
+        "local_rank": int(env["LOCAL_RANK"]),
+        "node_rank": int(env.get("GROUP_RANK", "0")),
+        "world_size": int(env["WORLD_SIZE"]),
+        "host": env.get("LAUNCHER_HOST", socket.gethostname()),
+        "device": f"cuda:{env['LOCAL_RANK']}" if config.device_type == "cuda" else "cpu",
+        "status": "failed",
+        "phases": {},
+        "metrics": {},
+        "result": None,
+        "error": {"type": kind, "message": message, "traceback": message, "time": time.time()},
+    }
+    print(f"{kind}: {message}", file=sys.stderr, flush=True)
+    write_json_atomic(Path(config.stage_dir) / "reports" / f"rank{report['rank']}.json", report)
+    return report
+
+
+# --- the backend -------------------------------------------------------------------------------------
+
+
+class RayBackend(Backend):
+    name = "ray"
+
+    @classmethod
+    @contextlib.contextmanager
+    def session(cls, job: Any) -> Iterator[None]:
+        with ray_session(job):
+            yield
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pg: Any = None
+        self._actors: list[Any] = []
+        self._probes: dict[int, dict[str, Any]] = {}
+        self._probe_refs: dict[Any, int] = {}
+        self._runs: dict[Any, int] = {}
+        self._drains: dict[Any, int] = {}
+        self._reports: dict[int, dict[str, Any]] = {}
+        self._died: dict[int, str] = {}
+        self._died_at: dict[int, float] = {}
+        self._state = "new"
+        self._deadline = 0.0
+        self._failure = ""
+
+    def describe(self) -> list[str]:
+        return [f"ray actor {self.plan.job}-rank{r.rank} on {r.device}" for r in self.plan.ranks]
+
+    def _bundle(self) -> dict[str, float]:
+        return {"CPU": 1.0, "GPU": 1.0} if self.plan.worker.device_type == "cuda" else {"CPU": 1.0}
+
+    def start(self) -> None:
+        if not ray.is_initialized():
+            raise BackendError("the Ray backend runs inside RayBackend.session (use launcher.run_job)")
+        self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
+        bundle = self._bundle()
+        strategy = "STRICT_PACK" if len(self.plan.nodes) == 1 else "PACK"
+        self._pg = placement_group([dict(bundle) for _ in self.plan.ranks], strategy=strategy, name=f"{self.plan.job}-world{self.plan.world_size}")
+        self._deadline = time.monotonic() + self.plan.worker.rendezvous_timeout_s
+        remote_cls = ray.remote(RankActor)
+        namespace = ray.get_runtime_context().namespace
+        for r in self.plan.ranks:
+            name = f"{self.plan.job}-rank{r.rank}"
+            try:
+                actor = remote_cls.options(
+                    name=name,
+                    namespace=namespace,
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    max_concurrency=4,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r.rank),
+                ).remote(self.plan.job, r.rank)
+            except ValueError as exc:
+                self.stop()
+                raise BackendError(f"cannot create actor {name} in namespace {namespace}: {exc} (another run of this job?)") from None
+            self._actors.append(actor)
+            self._probe_refs[actor.probe.remote(r.rank == 0)] = r.rank
+        self._state = "scheduling"
+
+    # poll ---------------------------------------------------------------------------------------
+    def poll(self) -> BackendStatus:
+        if self._state == "scheduling":
+            self._poll_scheduling()
+        if self._state == "running":
+            self._pump_logs()
+            self._poll_runs()
+        if self._state == "failed":
+            return BackendStatus(done=True, ok=False, rank_exits=self._rank_exits(), detail=self._failure)
+        if self._state == "running" and len(self._reports) == len(self.plan.ranks):
+            ok = all(r.get("status") == "ok" for r in self._reports.values())
+            return BackendStatus(done=True, ok=ok, detail="" if ok else "a rank reported a failure")
+        return BackendStatus(done=False)
+
+    def _poll_scheduling(self) -> None:
+        refs = list(self._probe_refs)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            rank = self._probe_refs.pop(ref)
+            try:
+                self._probes[rank] = ray.get(ref)
+            except RayError as exc:
+                self._fail(f"actor {self.plan.job}-rank{rank} could not start: {_first_line(exc)}")
+                return
+        if not self._probe_refs:
+            self._launch_runs()
+        elif time.monotonic() > self._deadline:
+            self._fail(self._gang_timeout_message())
+
+    def _gang_timeout_message(self) -> str:
+        n, bundle = len(self.plan.ranks), self._bundle()
+        try:
+            available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        except RayError:
+            available, total = {}, {}
+        return (
+            f"gang scheduling timed out after timeouts.rendezvous_s={self.plan.worker.rendezvous_timeout_s:g}s: "
+            f"the Ray cluster could not reserve {n} x {bundle} together (all or nothing, "
+            f"{'one node' if len(self.plan.nodes) == 1 else 'packed'}); cluster total {total}, available {available}"
+        )
+
+    def _launch_runs(self) -> None:
+        rank0 = self._probes[0]
+        config_json = self.plan.worker.to_json()
+        local_node = ray.get_runtime_context().get_node_id()
+        for r, actor in zip(self.plan.ranks, self._actors):
+            env = self._rank_env(r.rank, rank0)
+            self._runs[actor.run.remote(config_json, env, self._probes[r.rank]["node_id"] == local_node)] = r.rank
+            self._drains[actor.drain.remote(DRAIN_WAIT_S)] = r.rank
+        self._state = "running"
+
+    def _rank_env(self, rank: int, rank0: dict[str, Any]) -> dict[str, str]:
+        """torchrun's env for this rank, with the node layout Ray actually chose."""
+        me = self._probes[rank]
+        node_order = list(dict.fromkeys(self._probes[k]["node_id"] for k in sorted(self._probes)))
+        peers = sorted(k for k, p in self._probes.items() if p["node_id"] == me["node_id"])
+        env = dict(self.plan.rank_env(self.plan.ranks[rank]))
+        env.update(
+            MASTER_ADDR=rank0["node_ip"],
+            MASTER_PORT=str(rank0["port"]),
+            GROUP_RANK=str(node_order.index(me["node_id"])),
+            GROUP_WORLD_SIZE=str(len(node_order)),
+            LOCAL_WORLD_SIZE=str(len(peers)),
+            LOCAL_RANK=str(peers.index(rank)),
+            LAUNCHER_HOST=me["hostname"],
+        )
+        if self.plan.worker.device_type == "cuda":
+            # co-located ranks see all of their node's granted GPUs; each uses cuda:<local_rank>
+            granted = sorted({g for k in peers for g in self._probes[k]["gpu_ids"]}, key=_gpu_key)
+            mine = me["gpu_ids"][0] if me["gpu_ids"] else ""
+            env.update(
+                CUDA_VISIBLE_DEVICES=",".join(granted),
+                LOCAL_RANK=str(granted.index(mine)) if mine in granted else env["LOCAL_RANK"],
+                GPULAUNCH_GRANTED_GPU=mine,
+            )
+        return env
+
+    def _poll_runs(self) -> None:
+        refs = list(self._runs)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            rank = self._runs.pop(ref)
+            try:
+                self._reports[rank] = ray.get(ref)
+            except RayActorError as exc:
+                self._died[rank], self._died_at[rank] = str(exc), time.time()
+                self._fail(f"actor {self.plan.job}-rank{rank} died: {_first_line(exc)}")
+            except RayTaskError as exc:  # run_rank never raises for job errors: a launcher bug
+                self._died[rank] = str(exc)
+                self._fail(f"actor {self.plan.job}-rank{rank} raised: {_first_line(exc)}")
+        if any(r.get("status") != "ok" for r in self._reports.values()) and self._state != "failed":
+            self._state = "failed"
+            bad = sorted(k for k, r in self._reports.items() if r.get("status") != "ok")
+            self._failure = f"rank(s) {bad} failed"
+
+    def _pump_logs(self, final: bool = False) -> None:
+        if not self._drains:
+            return
+        refs = list(self._drains)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0 if final else 0)
+        for ref in ready:
+            rank = self._drains.pop(ref)
+            try:
+                lines = ray.get(ref)
+            except RayError:
+                continue  # the actor is gone; its last lines are in Ray's log files
+            host = self._probes.get(rank, {}).get("hostname") or self.plan.ranks[rank].host
+            for line in lines:
+                self.logs.write_rank_line(rank, host, line)
+            if not final:
+                self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
+
+    def _fail(self, message: str) -> None:
+        if self._state != "failed":
+            self._state, self._failure = "failed", message
+
+    def _rank_exits(self) -> tuple[RankExit, ...]:
+        return tuple(RankExit(rank=k, exitcode=None, host=self._probes.get(k, {}).get("hostname")) for k in sorted(self._died))
+
+    # stop / collect -------------------------------------------------------------------------------
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self._state == "stopped":
+            return
+        with contextlib.suppress(RayError):
+            if self._state in ("running", "failed") and self._actors:
+                for rank in range(len(self._actors)):  # last words of every rank, then the kill
+                    if rank not in self._died and rank not in self._drains.values():
+                        self._drains[self._actors[rank].drain.remote(0.0)] = rank
+                self._pump_logs(final=True)
+        local = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        pids = [p["pid"] for p in self._probes.values() if p["node_id"] == local]
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if self._pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._pg)
+        self._wait_names_free(grace_s * 2)
+        wait_gone([p for p in pids if pid_alive(p)], grace_s)
+        self._state = "stopped"
+
+    def _wait_names_free(self, timeout_s: float) -> None:
+        """Actor names are reused by the next stage or restart: wait until Ray has released them."""
+        if not ray.is_initialized():
+            return
+        deadline = time.monotonic() + timeout_s
+        names = [f"{self.plan.job}-rank{r.rank}" for r in self.plan.ranks[: len(self._actors)]]
+        while names and time.monotonic() < deadline:
+            names = [n for n in names if _actor_exists(n)]
+            if names:
+                time.sleep(0.05)
+
+    def collect(self) -> None:
+        for r in self.plan.ranks:
+            path = Path(r.report_path)
+            if r.rank in self._reports and not path.exists():
+                write_json_atomic(path, self._reports[r.rank])
+            elif r.rank in self._died and not path.exists():
+                detail = self._died[r.rank]
+                # it died without a Python exception; peers then fail on closed connections. Date it
+                # by its last sign of life (its progress beacon) so the root cause is this rank.
+                beacon = read_json(self.plan.stage_dir / "progress" / f"rank{r.rank}.json") or {}
+                seen = beacon.get("t") if isinstance(beacon.get("t"), (int, float)) else self._died_at.get(r.rank, time.time())
+                write_json_atomic(
+                    path,
+                    {
+                        "report_version": 1,
+                        "rank": r.rank,
+                        "local_rank": r.local_rank,
+                        "node_rank": r.node_rank,
+                        "world_size": self.plan.world_size,
+                        "host": self._probes.get(r.rank, {}).get("hostname", r.host),
+                        "device": r.device,
+                        "status": "failed",
+                        "phases": {},
+                        "metrics": {},
+                        "result": None,
+                        "error": {"type": "ActorDied", "message": _first_line(detail), "traceback": detail, "time": seen},
+                    },
+                )
+
+
+def _actor_exists(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    except RayError:
+        return False
+    return True
+
+
+def _first_line(exc: Any) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:500]
+    return type(exc).__name__
+
+
+def _gpu_key(gpu: str) -> tuple[int, str]:
+    return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)
+
+
+__all__ = ["RayBackend", "RankActor", "ray_session", "check_dashboard_exposure"]

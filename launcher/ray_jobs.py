@@ -1,0 +1,302 @@
+"""Run a job on an existing Ray cluster through the Ray Jobs API, and ``launch status|logs|stop``.
+
+``launch JOB.yaml --backend ray --address http://HOST:8265`` submits the launcher itself as the
+Ray job: a copy of the job's directory (plus the effective spec, overrides applied) is the job's
+working dir, ``python -m launcher.ray_jobs inside SPEC`` the entrypoint, and the Ray backend inside
+connects to that cluster instead of embedding one. The job's logs stream to the console; at the
+end the cluster-side launcher prints its run directory as a tagged, checksummed bundle in its last
+log lines, which is unpacked under the user's ``--out`` so ``result.json`` is where it would be
+after a local run. Token auth (``RAY_AUTH_TOKEN`` / ``~/.ray/auth_token``) is honoured, never
+switched off.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, LauncherError
+
+SPEC_FILE = "_gpulaunch_job.yaml"
+BUNDLE_TAG = "@gpulaunch-bundle "
+BUNDLE_END = "@gpulaunch-bundle-end "
+CHUNK = 16_000
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+POLL_S = 0.5
+MAX_WORKING_DIR = 50 * 1024**2
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".git", ".venv", "runs", "*.egg-info")
+
+
+def honour_token_auth() -> None:
+    """Use Ray's token if the user has one and did not choose a mode (the launcher never disables it)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def _check_address(address: str | None) -> str:
+    address = address or os.environ.get("RAY_API_SERVER_ADDRESS") or ""
+    if not address.startswith(("http://", "https://")):
+        shown = repr(address) if address else "nothing"
+        raise LauncherError(
+            f"--address: expected the Ray dashboard's http://HOST:8265 address (Ray Jobs API), got {shown}", exit_code=EXIT_BAD_INPUT
+        )
+    return address.rstrip("/")
+
+
+def client(address: str | None) -> Any:
+    """A JobSubmissionClient, or a one-line error (exit 2) when the cluster cannot be reached."""
+    address = _check_address(address)
+    honour_token_auth()
+    import logging
+
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    try:
+        from ray.job_submission import JobSubmissionClient
+    except ImportError:
+        raise LauncherError("--address needs Ray: pip install 'gpulaunch[ray]'", exit_code=EXIT_BAD_INPUT) from None
+    try:
+        return JobSubmissionClient(address)
+    except Exception as exc:  # noqa: BLE001 - connection, auth and version errors all end here
+        raise LauncherError(f"cannot use the Ray cluster at {address}: {_one_line(exc)}", exit_code=EXIT_BAD_INPUT) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if "401" in text or "Unauthorized" in text or "authentication" in text.lower():
+        return "authentication failed (set RAY_AUTH_TOKEN or ~/.ray/auth_token to the cluster's token)"
+    if "Connection refused" in text or "Failed to connect" in text or "ConnectionError" in type(exc).__name__:
+        return "connection refused (is the Ray head running and the dashboard on that port?)"
+    return (text or type(exc).__name__)[:300]
+
+
+# --- submit and wait ---------------------------------------------------------------------------------
+
+
+def _effective_spec(job: Any) -> dict[str, Any]:
+    data = job.spec.model_dump(mode="json")
+    data["backend"] = "ray"
+    data["extends"] = None  # merged already
+    data["cluster"] = None  # hosts come from the Ray cluster
+    data["ray"]["address"] = None  # inside the job the backend connects; it must not submit again
+    return data
+
+
+def _working_dir(job: Any) -> Path:
+    import yaml
+
+    root = Path(tempfile.mkdtemp(prefix="gpulaunch-submit-"))
+    work = root / "job"
+    shutil.copytree(job.base_dir, work, ignore=_IGNORE, symlinks=False)
+    size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+    if size > MAX_WORKING_DIR:
+        shutil.rmtree(root, ignore_errors=True)
+        raise LauncherError(f"{job.base_dir}: the job's directory is {size >> 20} MiB; keep it under {MAX_WORKING_DIR >> 20} MiB to submit it", exit_code=EXIT_BAD_INPUT)
+    (work / SPEC_FILE).write_text(yaml.safe_dump(_effective_spec(job), sort_keys=False))
+    return work
+
+
+def submit_and_wait(job: Any, *, address: str, out: str | Path, overrides: Sequence[str] = (), quiet: bool = False) -> int:
+    """Submit ``job`` to the cluster, stream its logs, bring ``result.json`` back; the job's exit code."""
+    from launcher.api import new_run_id
+    from launcher.backends.ray import job_metadata
+    from launcher.spec import JobSpec
+
+    jobs = client(address)
+    address = _check_address(address)
+    import launcher
+
+    work = _working_dir(job)
+    submission_id = f"{job.spec.name}-{new_run_id()}"
+    try:
+        job_id = jobs.submit_job(
+            entrypoint=f"python -m launcher.ray_jobs inside {SPEC_FILE}",
+            submission_id=submission_id,
+            metadata=job_metadata(JobSpec.model_validate(_effective_spec(job))),  # the spec run inside
+            runtime_env={
+                "working_dir": str(work),
+                "py_modules": [str(Path(launcher.__file__).parent)],
+                "excludes": ["__pycache__", "*.pyc"],
+                "env_vars": {"GPULAUNCH_RAY_CONNECT": "1", "PYTHONUNBUFFERED": "1"},
+            },
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise LauncherError(f"cannot submit to {address}: {_one_line(exc)}", exit_code=EXIT_JOB_FAILED) from None
+    finally:
+        shutil.rmtree(work.parent, ignore_errors=True)
+    print(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})", file=sys.stderr, flush=True)
+    try:
+        status, logs = _follow(jobs, job_id, echo=not quiet)
+    except KeyboardInterrupt:
+        print(f"interrupted: stopping Ray job {job_id}", file=sys.stderr, flush=True)
+        _stop_and_wait(jobs, job_id)
+        return EXIT_INTERRUPTED
+    run_dir = unpack_bundle(logs, Path(out))
+    info = jobs.get_job_info(job_id)
+    code = EXIT_OK if status == "SUCCEEDED" else _exit_code(info)
+    if run_dir is None:
+        print(f"error: Ray job {job_id} ended {status} without sending its result back (see: launch logs {job_id} --address {address})", file=sys.stderr)
+        return code or EXIT_JOB_FAILED
+    print(f"Ray job {job_id}: {status}; result: {run_dir / 'result.json'}", file=sys.stderr, flush=True)
+    return code
+
+
+def _exit_code(info: Any) -> int:
+    code = getattr(info, "driver_exit_code", None)
+    return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED) else EXIT_JOB_FAILED
+
+
+def _follow(jobs: Any, job_id: str, *, echo: bool) -> tuple[str, str]:
+    """Print new log lines until the job ends; return its final status and complete log."""
+    shown = 0
+    while True:
+        status = _status(jobs, job_id)
+        logs = jobs.get_job_logs(job_id)
+        complete = logs[: logs.rfind("\n") + 1]  # whole lines only; the rest comes next time
+        if echo:
+            _print_lines(complete[shown:])
+        shown = len(complete)
+        if status in TERMINAL:
+            logs = jobs.get_job_logs(job_id)
+            if echo:
+                _print_lines(logs[shown:])
+            return status, logs
+        time.sleep(POLL_S)
+
+
+def _status(jobs: Any, job_id: str) -> str:
+    status = jobs.get_job_status(job_id)
+    return str(getattr(status, "value", status))
+
+
+def _print_lines(text: str) -> None:
+    for line in text.splitlines():
+        if not line.startswith((BUNDLE_TAG, BUNDLE_END)):
+            print(line, flush=True)
+
+
+def _stop_and_wait(jobs: Any, job_id: str, timeout_s: float = 60.0) -> str:
+    try:
+        jobs.stop_job(job_id)
+    except Exception as exc:  # noqa: BLE001
+        raise LauncherError(f"cannot stop Ray job {job_id}: {_one_line(exc)}") from None
+    deadline = time.monotonic() + timeout_s
+    status = _status(jobs, job_id)
+    while status not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        status = _status(jobs, job_id)
+    return status
+
+
+# --- the result bundle: cluster side and client side -------------------------------------------------
+
+
+def emit_bundle(run_dir: Path, write: Any = print) -> None:
+    """Print ``run_dir`` (result.json, reports, logs, plots) as tagged base64 lines."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(run_dir, arcname=f"{run_dir.parent.name}/{run_dir.name}")
+    data = base64.b64encode(buf.getvalue()).decode()
+    chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [""]
+    for i, chunk in enumerate(chunks):
+        write(f"{BUNDLE_TAG}{i}/{len(chunks)} {chunk}")
+    write(f"{BUNDLE_END}{hashlib.sha256(data.encode()).hexdigest()}")
+
+
+def unpack_bundle(logs: str, out: Path) -> Path | None:
+    """The run directory unpacked under ``out`` from a job's logs, or None if none came back whole."""
+    chunks: dict[int, str] = {}
+    digest = None
+    for line in logs.splitlines():
+        if line.startswith(BUNDLE_TAG):
+            pos, _, chunk = line[len(BUNDLE_TAG) :].partition(" ")
+            chunks[int(pos.partition("/")[0])] = chunk
+        elif line.startswith(BUNDLE_END):
+            digest = line[len(BUNDLE_END) :].strip()
+    data = "".join(chunks[i] for i in sorted(chunks))
+    if not chunks or digest != hashlib.sha256(data.encode()).hexdigest():
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(data)), mode="r:gz") as tar:
+        names = tar.getnames()
+        tar.extractall(out.resolve(), filter="data")
+    top = Path(names[0].split("/")[0]) / names[0].split("/")[1]
+    return (out / top).resolve()
+
+
+def inside(argv: Sequence[str]) -> int:
+    """The Ray job's entrypoint: run the launcher on this cluster, then send the run dir back."""
+    from launcher.cli import main
+
+    spec = argv[0]
+    out = Path(tempfile.mkdtemp(prefix="gpulaunch-job-"))
+    try:
+        code = main([spec, "--backend", "ray", "--out", str(out)])
+        sys.stdout.flush()
+        runs = sorted(out.glob("*/*/result.json"))
+        if runs:
+            emit_bundle(runs[-1].parent)
+        sys.stdout.flush()
+        return code
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+# --- launch status | logs | stop ----------------------------------------------------------------------
+
+
+def job_command(name: str, argv: Sequence[str]) -> int:
+    import argparse
+
+    from launcher.cli import _Parser
+
+    p = _Parser(prog=f"launch {name}", description=f"{name} a job submitted to a Ray cluster (Ray Jobs API)")
+    p.add_argument("job_id")
+    p.add_argument("--address", help="the Ray dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS)")
+    if name == "logs":
+        p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    if name == "status":
+        p.add_argument("--json", action="store_true")
+    args: argparse.Namespace = p.parse_args(list(argv))
+    jobs = client(args.address)
+    try:
+        info = jobs.get_job_info(args.job_id)
+    except Exception as exc:  # noqa: BLE001
+        raise LauncherError(f"no Ray job {args.job_id!r} at {_check_address(args.address)}: {_one_line(exc)}", exit_code=EXIT_BAD_INPUT) from None
+    if name == "status":
+        status = str(getattr(info.status, "value", info.status))
+        if args.json:
+            print(json.dumps({"job_id": args.job_id, "status": status, "message": info.message, "metadata": info.metadata, "entrypoint": info.entrypoint}, indent=2))
+        else:
+            meta = ", ".join(f"{k}={v}" for k, v in sorted((info.metadata or {}).items()))
+            print(f"{args.job_id}: {status}  {info.message or ''}".rstrip())
+            if meta:
+                print(f"  {meta}")
+        return EXIT_OK
+    if name == "logs":
+        if args.follow:
+            _follow(jobs, args.job_id, echo=True)
+        else:
+            _print_lines(jobs.get_job_logs(args.job_id))
+        return EXIT_OK
+    status = _stop_and_wait(jobs, args.job_id)
+    print(f"{args.job_id}: {status}")
+    return EXIT_OK if status in TERMINAL else EXIT_JOB_FAILED
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "inside":
+        sys.exit(inside(sys.argv[2:]))
+    print("usage: python -m launcher.ray_jobs inside SPEC.yaml", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
