@@ -1,9 +1,14 @@
-"""d2l "GPUs", exercises 1 and 4: n x n matmuls on every rank's device, and scaling over ranks.
+"""d2l "GPUs", exercise 4: n x n matmuls on every rank's device, scaling over ranks, concurrency.
 
 Each rank multiplies two random n x n matrices ``iters`` times per size on its own device, timed
 as one block (CUDA events on the GPU after warm-up, a host clock on the CPU where the work is
 synchronous). Nothing is read back inside the loop. The launcher turns the times into GFLOP/s
 per rank, in total and as scaling efficiency: throughput(N) / (N x throughput(1)).
+
+With two or more ranks the job also runs d2l's exercise 4 proper: the same two matmul tasks
+(``concurrent_iters`` multiplications of ``concurrent_size`` matrices each) one after the other on
+rank 0's device, then at the same time on rank 0's and rank 1's devices. The ratio of the wall
+times is the speedup from the second device ("almost linear": close to 2 on two GPUs).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-DEFAULTS = {"sizes": [256, 1024], "iters": 20, "warmup": 3, "dtype": "float32"}
+DEFAULTS = {"sizes": [256, 1024], "iters": 20, "warmup": 3, "dtype": "float32", "concurrent_size": None, "concurrent_iters": None}
 
 
 def _param(params: Mapping[str, Any], name: str) -> Any:
@@ -38,7 +43,45 @@ def run(ctx: Any) -> dict[str, Any]:
                 c = torch.matmul(a, b)
                 rec.step()
         rec.log(f"checksum/{n}", c.norm())  # stays on the device until the end
+    if ctx.world_size >= 2:
+        _concurrent_vs_sequential(ctx, torch, dist, dtype)
     return {"threads": ctx.threads}
+
+
+def concurrency_params(params: Mapping[str, Any]) -> tuple[int, int]:
+    """The tasks' matrix size and iterations: by default the largest size and ``iters``."""
+    n = params.get("concurrent_size") or max(int(s) for s in _param(params, "sizes"))
+    return int(n), int(params.get("concurrent_iters") or _param(params, "iters"))
+
+
+def _concurrent_vs_sequential(ctx: Any, torch: Any, dist: Any, dtype: Any) -> None:
+    """Two tasks on one device one after the other (rank 0), then on two devices at once (ranks 0, 1)."""
+    from launcher.workloads._common import wall_clock
+
+    n, iters = concurrency_params(ctx.params)
+    tasks = []
+    for seed in (1, 2):  # the same two tasks wherever they run
+        gen = torch.Generator().manual_seed(seed)
+        tasks.append(tuple(torch.randn(n, n, generator=gen, dtype=dtype).to(ctx.device) for _ in range(2)))
+
+    def work(a: Any, b: Any) -> None:
+        for _ in range(iters):
+            torch.matmul(a, b)
+
+    for a, b in tasks:  # warm-up, outside the clocks
+        torch.matmul(a, b)
+    dist.barrier()
+    if ctx.rank == 0:
+        with wall_clock(ctx.device) as ms:
+            for a, b in tasks:
+                work(a, b)
+        ctx.metrics.add_time_ms("concurrent/sequential", ms())
+    dist.barrier()  # both ranks start their task together
+    if ctx.rank in (0, 1):
+        with wall_clock(ctx.device) as ms:
+            work(*tasks[ctx.rank])
+        ctx.metrics.add_time_ms("concurrent/parallel", ms())
+    dist.barrier()
 
 
 def _gflops(n: int, iters: int, ms: float) -> float:
@@ -95,13 +138,56 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             "CPU run: each worker gets its share of the cores (threads_per_worker), so N workers "
             "compete for the same cores as one; GPU runs give every rank a device of its own."
         )
+    concurrency = _concurrency_rows(stages, params)
+    for row in concurrency:
+        conclusions.append(
+            f"two tasks of {row['iters']} matmuls (n={row['size']}): {row['sequential_ms']:.1f} ms one after the other on "
+            f"{row['devices'][0]}, {row['concurrent_ms']:.1f} ms at once on {' + '.join(row['devices'])}: "
+            f"{row['speedup']:.2f}x speedup (2x would be linear)"
+        )
+        if "cpu" in row["devices"]:
+            conclusions.append(
+                f"CPU run: the two 'devices' are two worker processes with {row['threads_per_worker']} thread(s) each "
+                "sharing this machine's cores, and the sequential run uses one worker's threads: the speedup measures "
+                "cores, not GPUs"
+            )
     return {
         "title": "matmul throughput and scaling",
+        "concurrency": concurrency,
         "columns": ["workers", "size", "gflops", "gflops_per_rank", "efficiency", "threads_per_worker"],
         "rows": rows,
         "scaling": rows,
         "conclusions": conclusions,
     }
+
+
+def _concurrency_rows(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    n, iters = concurrency_params(params)
+    rows = []
+    for stage in stages:
+        by_rank = {r["rank"]: r for r in stage["ranks"] if r.get("status") == "ok"}
+        if stage["status"] != "succeeded" or 0 not in by_rank or 1 not in by_rank:
+            continue
+        times = {k: by_rank[k].get("metrics", {}).get("times_ms", {}) for k in (0, 1)}
+        seq = times[0].get("concurrent/sequential")
+        par = [t for k in (0, 1) for t in times[k].get("concurrent/parallel", [])]
+        if not seq or len(par) < 2:
+            continue
+        concurrent = max(par)  # both started together: the pair is done when the slower one is
+        rows.append(
+            {
+                "workers": stage["world_size"],
+                "size": n,
+                "iters": iters,
+                "sequential_ms": round(seq[0], 3),
+                "concurrent_ms": round(concurrent, 3),
+                "speedup": round(seq[0] / concurrent, 4) if concurrent > 0 else None,
+                "devices": [by_rank[0]["device"], by_rank[1]["device"]],
+                "hosts": [by_rank[0]["host"], by_rank[1]["host"]],
+                "threads_per_worker": (by_rank[0].get("result") or {}).get("threads"),
+            }
+        )
+    return rows
 
 
 def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
@@ -124,6 +210,34 @@ def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
     fig.suptitle(f"{result['job']} on {result['ranks'][0]['device'] if result['ranks'] else '?'}")
     fig.tight_layout()
     path = run_dir / "scaling.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path, *_plot_concurrency(result, run_dir)]
+
+
+def _plot_concurrency(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    rows = (result.get("summary") or {}).get("concurrency") or []
+    if not rows:
+        return []
+    row = rows[0]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    labels = [
+        f"sequential\n(both on rank 0: {row['devices'][0]})",
+        f"concurrent\n(rank 0: {row['devices'][0]} + rank 1: {row['devices'][1]})",
+    ]
+    bars = ax.bar(labels, [row["sequential_ms"], row["concurrent_ms"]], color=["C1", "C2"])
+    for bar in bars:
+        ax.annotate(f"{bar.get_height():.1f} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.axhline(row["sequential_ms"] / 2, color="grey", linestyle="--", linewidth=1, label="linear (half the time)")
+    ax.set(ylabel="wall time (ms)", title=f"two tasks of {row['iters']} matmuls, n={row['size']}: {row['speedup']:.2f}x")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.margins(y=0.15)
+    fig.suptitle(f"{result['job']}: concurrent vs sequential")
+    fig.tight_layout()
+    path = run_dir / "concurrency.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]

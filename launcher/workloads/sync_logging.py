@@ -1,0 +1,241 @@
+"""d2l "GPUs", exercise 3: log a value every step with ``.item()``, or keep the log on the device.
+
+Every rank runs ``steps`` matmuls of ``n x n`` matrices and logs the Frobenius norm of each result
+in three ways, each doing exactly the same arithmetic:
+
+* ``item``: ``norms.append(torch.linalg.norm(c).item())``: one host read per step. On a GPU
+  every ``.item()`` waits for the device, so the host cannot queue work ahead of it.
+* ``device``: ``log[i] = torch.linalg.norm(c)`` into a tensor kept on the device, copied to
+  the host once at the end (``log.tolist()``).
+* ``recorder``: the launcher's own ``ctx.metrics.log(...)`` + ``ctx.metrics.step()``; the runtime
+  copies the values to the host once, after the job.
+
+Each variant is timed (host wall clock, device drained before and after, median of ``repeats``),
+then run once more under a ``SyncCounter``: host reads counted on every device and, on CUDA,
+the synchronisations PyTorch reports with ``torch.cuda.set_sync_debug_mode("warn")``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from launcher.workloads._common import (
+    SyncCounter,
+    devices_label,
+    med,
+    ok_ranks,
+    param,
+    rnd,
+    save_figure,
+    wall_clock,
+)
+
+DEFAULTS = {"steps": 1000, "n": 100, "repeats": 3, "warmup": 1, "dtype": "float32", "seed": 0}
+VARIANTS = ("item", "device", "recorder")
+LABELS = {
+    "item": ".item()/step",
+    "device": "device log",
+    "recorder": "ctx.metrics",
+}
+PLOT_LABELS = {"item": ".item() every step", "device": "log on device, 1 copy", "recorder": "ctx.metrics (launcher)"}
+
+
+def _p(params: Mapping[str, Any], name: str) -> Any:
+    return param(params, DEFAULTS, name)
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    import torch
+
+    from launcher.metrics import MetricsRecorder
+
+    steps, n = int(_p(ctx.params, "steps")), int(_p(ctx.params, "n"))
+    repeats, warmup = int(_p(ctx.params, "repeats")), int(_p(ctx.params, "warmup"))
+    dtype = getattr(torch, str(_p(ctx.params, "dtype")))
+    gen = torch.Generator(device="cpu").manual_seed(int(_p(ctx.params, "seed")))
+    # The same inputs on every rank and for every variant, made on the host once and moved once.
+    a = torch.randn(n, n, generator=gen, dtype=dtype).to(ctx.device)
+    xs = (torch.randn(steps, n, n, generator=gen, dtype=dtype) / n**0.5).to(ctx.device)
+
+    def item_loop(_rec: Any) -> Any:
+        norms = []
+        for i in range(steps):
+            norms.append(torch.linalg.norm(a @ xs[i]).item())  # waits for the device every step
+        return norms
+
+    def device_loop(_rec: Any) -> Any:
+        log = torch.empty(steps, device=ctx.device, dtype=dtype)
+        for i in range(steps):
+            log[i] = torch.linalg.norm(a @ xs[i])  # stays on the device: nothing to wait for
+        return log
+
+    def recorder_loop(rec: Any) -> Any:
+        for i in range(steps):
+            rec.log("sync/norm", torch.linalg.norm(a @ xs[i]))
+            rec.step()
+        return rec
+
+    # Each variant: its step loop, then how its log reaches the host at the end.
+    variants: dict[str, tuple[Callable[[Any], Any], Callable[[Any], list[float]]]] = {
+        "item": (item_loop, lambda norms: norms),
+        "device": (device_loop, lambda log: log.tolist()),  # one copy to the host
+        "recorder": (recorder_loop, lambda rec: rec.to_host()["values"]["sync/norm"]),  # what the runtime does
+    }
+    counter = SyncCounter(ctx.device)
+    out: dict[str, Any] = {"steps": steps, "n": n, "norm_sum": {}}
+    for name, (loop, finish) in variants.items():
+        for _ in range(warmup):
+            finish(loop(MetricsRecorder(ctx.device)))
+        for _ in range(repeats):
+            scratch = MetricsRecorder(ctx.device)  # throw-away recorders: ctx.metrics keeps one clean log
+            with wall_clock(ctx.device) as ms:
+                finish(loop(scratch))
+            ctx.metrics.add_time_ms(f"wall/{name}", ms())
+        # Once more under the counter, with ctx.metrics itself for the recorder variant.
+        rec = ctx.metrics if name == "recorder" else MetricsRecorder(ctx.device)
+        with counter.counting(f"{name}/loop"):
+            handle = loop(rec)
+        with counter.counting(f"{name}/end"):
+            norms = finish(handle)
+        out["norm_sum"][name] = float(sum(norms))
+    out["host_reads"] = dict(counter.host_reads)
+    out["device_syncs"] = None if counter.device_syncs is None else dict(counter.device_syncs)
+    out["device_name"] = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    return out
+
+
+def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
+    """Wall time per variant (median over ranks), its ratio to the device log, and host syncs."""
+    ranks = ok_ranks(stages)
+    steps = int(_p(params, "steps"))
+    per_rank, walls = [], {v: [] for v in VARIANTS}
+    for r in ranks:
+        res = r.get("result") or {}
+        times = r.get("metrics", {}).get("times_ms", {})
+        recorded = r.get("metrics", {}).get("values", {}).get("sync/norm", [])
+        entry = {"world_size": r["world_size"], "rank": r["rank"], "device": r["device"], "variants": {}}
+        for v in VARIANTS:
+            wall = med(times.get(f"wall/{v}"))
+            walls[v].append(wall)
+            syncs = res.get("device_syncs")
+            entry["variants"][v] = {
+                "wall_ms": rnd(wall),
+                "host_reads_per_step": rnd(res.get("host_reads", {}).get(f"{v}/loop", 0) / max(steps, 1), 6),
+                "host_reads_in_loop": res.get("host_reads", {}).get(f"{v}/loop"),
+                "host_reads_at_end": res.get("host_reads", {}).get(f"{v}/end"),
+                "device_syncs_in_loop": None if syncs is None else syncs.get(f"{v}/loop"),
+                "device_syncs_at_end": None if syncs is None else syncs.get(f"{v}/end"),
+            }
+        sums = res.get("norm_sum", {})
+        base = sums.get("item")
+        entry["recorded_norms"] = len(recorded)
+        entry["logs_agree"] = bool(
+            base is not None
+            and len(recorded) == steps
+            and all(abs(sums.get(v, float("nan")) - base) <= 1e-3 * max(1.0, abs(base)) for v in VARIANTS)
+        )
+        per_rank.append(entry)
+    rows = []
+    device_wall = med(walls["device"])
+    on_cuda = any(str(r["device"]).startswith("cuda") for r in ranks)
+    for v in VARIANTS:
+        wall = med(walls[v])
+        first = [e["variants"][v] for e in per_rank]
+        rows.append(
+            {
+                "variant": LABELS[v],
+                "wall_ms": rnd(wall, 3),
+                "us_step": rnd(wall * 1e3 / steps if wall is not None and steps else None, 3),
+                "ratio": rnd(wall / device_wall if wall and device_wall else None, 3),
+                "reads_loop": _same(e["host_reads_in_loop"] for e in first),
+                "syncs_loop": _same(e["device_syncs_in_loop"] for e in first) if on_cuda else None,
+                "at_end": _same(
+                    (e["device_syncs_at_end"] if on_cuda else e["host_reads_at_end"]) for e in first
+                ),
+                "key": v,
+            }
+        )
+    summary = {
+        "title": f"logging {steps} matmul norms (n={_p(params, 'n')}): .item() per step vs on-device log",
+        "columns": ["variant", "wall_ms", "us_step", "ratio", "reads_loop", "syncs_loop", "at_end"],
+        "rows": rows,
+        "variants": {row["key"]: row for row in rows},
+        "per_rank": per_rank,
+        "steps": steps,
+        "device_syncs_measured": on_cuda,
+        "logs_agree": bool(per_rank) and all(e["logs_agree"] for e in per_rank),
+        "ratio_item_vs_device": rows[0]["ratio"] if rows else None,
+        "conclusions": _conclusions(rows, on_cuda, per_rank, steps),
+    }
+    return summary
+
+
+def _same(values: Any) -> Any:
+    """One value when every rank agrees (they should), else the list."""
+    values = list(values)
+    if not values:
+        return None
+    return values[0] if all(v == values[0] for v in values) else values
+
+
+def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, per_rank: list[dict[str, Any]], steps: int) -> list[str]:
+    if not rows or rows[0]["wall_ms"] is None:
+        return ["no rank finished: nothing to compare"]
+    item, device, recorder = rows
+    out = [
+        f".item() every step took {item['wall_ms']:.1f} ms, the on-device log {device['wall_ms']:.1f} ms: "
+        f"{item['ratio']:.2f}x (median over {len(per_rank)} rank(s), {steps} steps)"
+    ]
+    if on_cuda:
+        out.append(
+            f"host synchronisations reported by torch.cuda.set_sync_debug_mode: {item['syncs_loop']} in the "
+            f".item() loop, {device['syncs_loop']} in the device-log loop (+{device['at_end']} copy at the end), "
+            f"{recorder['syncs_loop']} for the launcher's recorder (+{recorder['at_end']} at the end)"
+        )
+    else:
+        out.append(
+            f"CPU run: no device to wait for, so no device syncs exist to count (not measured); host reads counted "
+            f"instead: {item['reads_loop']} in the .item() loop, {device['reads_loop']} in the device-log "
+            f"loop, {recorder['reads_loop']} for the launcher's recorder; each of the last two reads once at the end"
+        )
+        out.append("on the CPU .item() only costs a Python call per step; on a GPU each one also stalls the queue")
+    out.append(
+        "all three logs hold the same norms" if all(e["logs_agree"] for e in per_rank) else "WARNING: the three logs disagree"
+    )
+    return out
+
+
+def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    rows = (result.get("summary") or {}).get("rows") or []
+    if not rows or rows[0].get("wall_ms") is None:
+        return []
+    on_cuda = (result.get("summary") or {}).get("device_syncs_measured")
+    labels = [PLOT_LABELS.get(r.get("key"), r["variant"]) for r in rows]
+    colors = ["#d62728", "#2ca02c", "#1f77b4"]
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bars = ax_t.bar(labels, [r["wall_ms"] for r in rows], color=colors)
+    for bar, r in zip(bars, rows):
+        ax_t.annotate(f"{r['wall_ms']:.1f} ms\n{r['ratio']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                      ha="center", va="bottom", fontsize=9)
+    ax_t.set(ylabel="wall time (ms, median over ranks)", title="time to log every step")
+    ax_t.margins(y=0.25)
+    key = "syncs_loop" if on_cuda else "reads_loop"
+    counts = [_first(r[key]) or 0 for r in rows]
+    bars = ax_s.bar(labels, counts, color=colors)
+    for bar, c in zip(bars, counts):
+        ax_s.annotate(str(c), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
+    what = "device syncs (set_sync_debug_mode)" if on_cuda else "host reads (no device: CPU)"
+    ax_s.set(ylabel=f"{what} in the loop", title=f"host waits during {result['summary'].get('steps')} steps")
+    ax_s.margins(y=0.25)
+    for ax in (ax_t, ax_s):
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{result['job']} on {devices_label(result)}")
+    return [save_figure(fig, run_dir, "sync_logging.png")]
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) else value

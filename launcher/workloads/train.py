@@ -1,0 +1,273 @@
+"""d2l "GPUs", "Neural Networks and GPUs" and exercise 2: a small model trained with DDP.
+
+Every rank puts its replica of an MLP on ``ctx.device`` (``cuda:<local_rank>`` or the CPU), wraps
+it in ``DistributedDataParallel`` and trains on its shard of a generated classification task
+(labels from a fixed random "teacher" network: learnable, nothing downloaded). Batches move to the
+device as they are used (pinned, ``non_blocking`` on a GPU). Loss, correct answers and sample
+counts are summed in a tensor on the device, never read inside the loop, and reduced across ranks
+once at the end. Rank 0 then writes a checkpoint (model + optimizer + epoch) and every rank reads
+it back with ``map_location=ctx.device`` and checks it equals its own replica. ``params.resume``
+continues from such a checkpoint up to ``params.epochs`` in all.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from launcher.workloads._common import devices_label, med, rnd, save_figure
+
+DEFAULTS = {
+    "n_train": 32768,
+    "n_test": 4096,
+    "features": 64,
+    "classes": 10,
+    "hidden": 512,
+    "batch_size": 256,  # per rank
+    "epochs": 4,  # in all, counting the epochs of a resumed checkpoint
+    "lr": 0.002,
+    "seed": 0,
+    "checkpoint": None,  # default: <stage dir>/checkpoint.pt
+    "resume": None,  # a checkpoint to continue from
+}
+
+
+def _p(params: Mapping[str, Any], name: str) -> Any:
+    return params.get(name, DEFAULTS[name])
+
+
+def make_dataset(n: int, features: int, classes: int, seed: int, split: int) -> tuple[Any, Any]:
+    """Inputs ~ N(0, 1); labels = argmax of a fixed random teacher MLP (the same teacher for every split)."""
+    import torch
+
+    teacher = torch.Generator().manual_seed(seed)
+    w1, w2 = torch.randn(features, 64, generator=teacher), torch.randn(64, classes, generator=teacher)
+    data = torch.Generator().manual_seed(seed * 1000 + 1 + split)
+    x = torch.randn(n, features, generator=data)
+    y = (torch.tanh(x @ w1 / features**0.5) @ w2).argmax(dim=1)
+    return x, y
+
+
+def make_model(features: int, hidden: int, classes: int) -> Any:
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    P = {k: _p(ctx.params, k) for k in DEFAULTS}
+    dev, rec, cuda = ctx.device, ctx.metrics, ctx.device.type == "cuda"
+    features, classes, seed = int(P["features"]), int(P["classes"]), int(P["seed"])
+    torch.manual_seed(seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
+    model = make_model(features, int(P["hidden"]), classes).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=float(P["lr"]))
+    start_epoch, resumed_from = 0, None
+    if P["resume"]:
+        resumed_from = str(Path(P["resume"]).expanduser().resolve())
+        if not Path(resumed_from).is_file():
+            raise FileNotFoundError(f"params.resume: no checkpoint at {resumed_from}")
+        state = torch.load(resumed_from, map_location=dev, weights_only=True)  # saved on cuda:0, read onto our device
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start_epoch = int(state["epoch"])
+    ddp = DDP(model, device_ids=[dev.index] if cuda else None)
+
+    x, y = make_dataset(int(P["n_train"]), features, classes, seed, split=0)
+    train = TensorDataset(x, y)
+    sampler = DistributedSampler(train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True)
+    loader = DataLoader(train, batch_size=int(P["batch_size"]), sampler=sampler, pin_memory=cuda)
+    loss_fn = nn.CrossEntropyLoss()
+    epochs = range(start_epoch, int(P["epochs"]))
+    stats = torch.zeros(max(len(epochs), 1), 3, device=dev, dtype=torch.float64)  # loss sum, correct, samples
+    ddp.train()
+    for i, epoch in enumerate(epochs):
+        sampler.set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
+        with rec.timer("train/epoch"):
+            for xb, yb in loader:
+                xb, yb = xb.to(dev, non_blocking=True), yb.to(dev, non_blocking=True)
+                out = ddp(xb)
+                loss = loss_fn(out, yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # DDP all-reduces the gradients here
+                opt.step()
+                stats[i, 0] += loss.detach() * yb.shape[0]  # on the device: no .item(), no sync
+                stats[i, 1] += (out.argmax(dim=1) == yb).sum()
+                stats[i, 2] += yb.shape[0]
+                rec.step()
+    test = _evaluate(torch, ddp.module, dev, ctx, P)
+    totals = torch.cat([stats.flatten(), test])
+    dist.all_reduce(totals)  # the one reduction: every rank's sums, once, at the end
+    stats, test = totals[:-3].view(-1, 3), totals[-3:]
+    for i, _ in enumerate(epochs):
+        rec.log("train/loss", stats[i, 0] / stats[i, 2])  # still tensors: copied to the host by the runtime
+        rec.log("train/acc", stats[i, 1] / stats[i, 2])
+    rec.log("test/loss", test[0] / test[2])
+    rec.log("test/acc", test[1] / test[2])
+
+    path = Path(P["checkpoint"]).expanduser() if P["checkpoint"] else ctx.stage_dir / "checkpoint.pt"
+    if ctx.is_main:
+        _save(torch, path, ddp.module, opt, int(P["epochs"]) if len(epochs) else start_epoch, ctx.world_size, P)
+    dist.barrier()
+    check = _check_checkpoint(torch, path, ddp.module, dev)
+    return {
+        "samples_per_epoch": len(sampler),
+        "batches_per_epoch": len(loader),
+        "start_epoch": start_epoch,
+        "epochs_run": len(epochs),
+        "first_epoch": start_epoch,
+        "resumed_from": resumed_from,
+        "checkpoint": str(path),
+        "checkpoint_check": check,
+        "threads": ctx.threads,
+    }
+
+
+def _evaluate(torch: Any, model: Any, dev: Any, ctx: Any, P: Mapping[str, Any]) -> Any:
+    """This rank's share of the test set: [loss sum, correct, samples] on the device."""
+    x, y = make_dataset(int(P["n_test"]), int(P["features"]), int(P["classes"]), int(P["seed"]), split=1)
+    x, y = x[ctx.rank :: ctx.world_size].to(dev), y[ctx.rank :: ctx.world_size].to(dev)
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out, y, reduction="sum")
+    model.train()
+    return torch.stack([loss.double(), (out.argmax(dim=1) == y).sum().double(), torch.tensor(float(y.shape[0]), device=dev, dtype=torch.float64)])
+
+
+def _save(torch: Any, path: Path, model: Any, opt: Any, epoch: int, world_size: int, P: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    arch = {k: int(P[k]) for k in ("features", "hidden", "classes")}
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "world_size": world_size, "arch": arch}, tmp)
+    os.replace(tmp, path)  # readers never see half a file
+
+
+def _check_checkpoint(torch: Any, path: Path, model: Any, dev: Any) -> dict[str, Any]:
+    """Read rank 0's checkpoint onto this rank's device; it must equal this rank's replica."""
+    state = torch.load(path, map_location=dev, weights_only=True)
+    tensors = list(state["model"].values())
+    mine = model.state_dict()
+    return {
+        "map_location": str(dev),
+        "all_on_device": all(t.device == dev for t in tensors),
+        "equals_replica": all(torch.equal(state["model"][k], mine[k]) for k in mine),
+        "epoch": int(state["epoch"]),
+        "tensors": len(tensors),
+    }
+
+
+def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
+    """Samples/s per rank and in total per world size, the reduced loss/accuracy, the checkpoint checks."""
+    rows, curves = [], {}
+    for stage in stages:
+        ranks = [r for r in stage["ranks"] if r.get("status") == "ok"]
+        if stage["status"] != "succeeded" or not ranks:
+            continue
+        ws = stage["world_size"]
+        per_rank = []
+        for r in ranks:
+            res, m = r.get("result") or {}, r.get("metrics", {})
+            epoch_ms = med(m.get("times_ms", {}).get("train/epoch"))
+            per_rank.append(res.get("samples_per_epoch", 0) / (epoch_ms / 1e3) if epoch_ms else None)
+        res0 = next(r for r in ranks if r["rank"] == min(x["rank"] for x in ranks))
+        values = res0.get("metrics", {}).get("values", {})
+        result0 = res0.get("result") or {}
+        first = result0.get("first_epoch", 0)
+        curves[ws] = {
+            "epochs": list(range(first + 1, first + 1 + len(values.get("train/loss", [])))),
+            "train_loss": [rnd(v) for v in values.get("train/loss", [])],
+            "train_acc": [rnd(v) for v in values.get("train/acc", [])],
+        }
+        checks = [(r.get("result") or {}).get("checkpoint_check") or {} for r in ranks]
+        measured = [v for v in per_rank if v is not None]
+        rows.append(
+            {
+                "workers": ws,
+                "epochs": f"{first}->{first + result0.get('epochs_run', 0)}",
+                "rank_sps": rnd(med(measured), 1) if measured else None,
+                "total_sps": rnd(sum(measured), 1) if measured else None,
+                "rank_sps_by_rank": [rnd(v, 1) for v in per_rank],
+                "train_loss": rnd((values.get("train/loss") or [None])[-1]),
+                "train_acc": rnd((values.get("train/acc") or [None])[-1]),
+                "test_acc": rnd((values.get("test/acc") or [None])[-1]),
+                "ckpt_ok": all(c.get("all_on_device") and c.get("equals_replica") for c in checks),
+                "checkpoint": result0.get("checkpoint"),
+                "resumed_from": result0.get("resumed_from"),
+                "devices": sorted({r["device"] for r in ranks}),
+            }
+        )
+    base = rows[0] if rows else None
+    for row in rows:
+        ok = base and base["total_sps"] and row["total_sps"]
+        row["efficiency"] = rnd(row["total_sps"] / (row["workers"] / base["workers"] * base["total_sps"]), 3) if ok else None
+    return {
+        "title": "DDP training: samples/s (sps) per rank and in total; metrics reduced at the end",
+        "columns": ["workers", "epochs", "rank_sps", "total_sps", "efficiency", "train_loss", "train_acc", "test_acc", "ckpt_ok"],
+        "rows": rows,
+        "curves": {str(k): v for k, v in curves.items()},
+        "checkpoints_ok": bool(rows) and all(r["ckpt_ok"] for r in rows),
+        "conclusions": _conclusions(rows),
+    }
+
+
+def _conclusions(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return ["no stage finished: nothing to report"]
+    out = []
+    for row in rows:
+        where = ", ".join(row["devices"])
+        rate = "-" if row["total_sps"] is None else f"{row['total_sps']:,.0f} samples/s in total ({row['rank_sps']:,.0f} per rank)"
+        out.append(f"{row['workers']} worker(s) on {where}: {rate}; epochs {row['epochs']}, test accuracy {row['test_acc']:.1%}")
+    last = rows[-1]
+    if len(rows) > 1 and last["efficiency"] is not None:
+        out.append(f"{last['workers']} workers reach {last['efficiency']:.0%} of linear scaling in samples/s")
+    if any("cpu" in r["devices"] for r in rows):
+        out.append("CPU run: the workers share this machine's cores, so more workers need not mean more samples/s")
+    resumed = [r for r in rows if r["resumed_from"]]
+    if resumed:
+        out.append(f"resumed from {resumed[0]['resumed_from']} at epoch {resumed[0]['epochs'].split('->')[0]}")
+    out.append(
+        "rank 0's checkpoint, read back on every rank with map_location=<its device>, equals every replica"
+        if all(r["ckpt_ok"] for r in rows)
+        else "WARNING: a rank's checkpoint read-back differs from its replica or landed on the wrong device"
+    )
+    return out
+
+
+def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    summary = result.get("summary") or {}
+    rows, curves = summary.get("rows") or [], summary.get("curves") or {}
+    if not rows:
+        return []
+    fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    from matplotlib.ticker import MaxNLocator
+
+    for i, (ws, c) in enumerate(curves.items()):
+        if c["epochs"]:
+            ax_l.plot(c["epochs"], c["train_loss"], marker="o", color=f"C{i}", label=f"{ws} worker(s): loss")
+            ax_l.plot(c["epochs"], c["train_acc"], marker="s", linestyle="--", color=f"C{i}", label=f"{ws} worker(s): accuracy")
+    ax_l.set(xlabel="epoch", ylabel="train loss / accuracy (all ranks)", title="training (reduced at the end)")
+    ax_l.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_l.legend(fontsize=8)
+    shown = [r for r in rows if r["total_sps"] is not None]
+    labels = [str(r["workers"]) for r in shown]
+    ax_t.bar(labels, [r["total_sps"] for r in shown], color="C0", label="total")
+    ax_t.bar(labels, [r["rank_sps"] for r in shown], color="C1", width=0.4, label="per rank (median)")
+    for i, r in enumerate(shown):
+        ax_t.annotate(f"{r['total_sps']:,.0f}", (i, r["total_sps"]), ha="center", va="bottom", fontsize=9)
+    ax_t.set(xlabel="workers", ylabel="samples/s", title="training throughput")
+    ax_t.margins(y=0.15)
+    ax_t.legend(fontsize=8)
+    for ax in (ax_l, ax_t):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{result['job']} on {devices_label(result)}")
+    return [save_figure(fig, run_dir, "ddp_train.png")]

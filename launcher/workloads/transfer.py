@@ -1,0 +1,248 @@
+"""d2l "GPUs", "Copying": what a copy between host and device (and between devices) costs.
+
+Every rank, in turn (so that ranks do not share the host's memory bus while timed), measures
+for each size:
+
+* host->device and device->host, from pageable memory (``x.to(device)``, ``y.cpu()``) and from
+  pinned memory (``pin_memory()`` + ``non_blocking=True``), on a GPU;
+* on the CPU, where there is no device to copy to, the host memcpy bandwidth as a reference
+  (host->device and device->host are reported as not measured).
+
+Then, where there are two devices: a device->device copy between the first two GPUs a process sees
+(``x.to("cuda:1")``), and a rank 0 <-> rank 1 ping-pong through the process group (NCCL between
+GPUs, gloo between CPU processes). Finally d2l's identity check: ``.to()`` of a tensor already on
+its device returns the very same tensor (``Z.cuda(1) is Z``); no copy is made.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from launcher.workloads._common import devices_label, host_barrier_group, med, ok_ranks, param, rnd, save_figure, wall_clock
+
+DEFAULTS = {"sizes_mb": [1, 16, 128], "repeats": 5, "warmup": 1}
+GPU_KINDS = ("h2d/pageable", "h2d/pinned", "d2h/pageable", "d2h/pinned")
+DESCRIPTIONS = {
+    "h2d/pageable": "host->device, pageable",
+    "h2d/pinned": "host->device, pinned",
+    "d2h/pageable": "device->host, pageable",
+    "d2h/pinned": "device->host, pinned",
+    "h2h/memcpy": "host memcpy (no device)",
+    "d2d/peer": "cuda:0->cuda:1, one process",
+    "pg/pingpong": "rank0<->rank1, process group",
+}
+
+
+def _p(params: Mapping[str, Any], name: str) -> Any:
+    return param(params, DEFAULTS, name)
+
+
+def _sizes(params: Mapping[str, Any]) -> list[float]:
+    value = _p(params, "sizes_mb")
+    return [float(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _numel(mb: float) -> int:
+    return max(1, int(mb * 2**20) // 4)  # float32 elements
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    sizes = _sizes(ctx.params)
+    repeats, warmup = int(_p(ctx.params, "repeats")), int(_p(ctx.params, "warmup"))
+    dev, rec = ctx.device, ctx.metrics
+
+    def measure(name: str, copy: Callable[[], Any]) -> None:
+        for _ in range(warmup):
+            copy()
+        for _ in range(repeats):
+            with wall_clock(dev) as ms:
+                copy()
+            rec.add_time_ms(name, ms())
+        rec.step()
+
+    out: dict[str, Any] = {"measured": [], "identity": _identity_checks(torch, ctx)}
+    quiet = host_barrier_group(dist, ctx)  # waiting ranks sleep instead of spinning on a core
+    for turn in range(ctx.world_size):  # one rank at a time on the host <-> device links
+        if turn == ctx.rank:
+            for mb in sizes:
+                host = torch.randn(_numel(mb))
+                if dev.type == "cuda":
+                    pinned = host.pin_memory()
+                    on_dev = host.to(dev)
+                    pinned_out = torch.empty_like(host).pin_memory()
+                    measure(f"h2d/pageable/{mb:g}", lambda: host.to(dev))
+                    measure(f"h2d/pinned/{mb:g}", lambda: pinned.to(dev, non_blocking=True))
+                    measure(f"d2h/pageable/{mb:g}", lambda: on_dev.to("cpu"))
+                    measure(f"d2h/pinned/{mb:g}", lambda: pinned_out.copy_(on_dev, non_blocking=True))
+                    out["pinned_is_pinned"] = bool(pinned.is_pinned() and pinned_out.is_pinned())
+                    out["measured"] += [f"{k}/{mb:g}" for k in GPU_KINDS]
+                else:
+                    dst = torch.empty_like(host)
+                    measure(f"h2h/memcpy/{mb:g}", lambda: dst.copy_(host))
+                    out["measured"].append(f"h2h/memcpy/{mb:g}")
+            if dev.type == "cuda" and ctx.local_rank == 0 and torch.cuda.device_count() >= 2:
+                out["peer_access"] = bool(torch.cuda.can_device_access_peer(0, 1))
+                for mb in sizes:
+                    src = torch.randn(_numel(mb), device="cuda:0")
+                    measure(f"d2d/peer/{mb:g}", lambda: (src.to("cuda:1"), torch.cuda.synchronize("cuda:1")))
+                    out["measured"].append(f"d2d/peer/{mb:g}")
+        dist.barrier(group=quiet)
+    if ctx.world_size >= 2 and ctx.rank in (0, 1):
+        for mb in sizes:
+            buf = torch.randn(_numel(mb), device=dev)
+            if ctx.rank == 0:
+                measure(f"pg/pingpong/{mb:g}", lambda: _ping(dist, buf))
+                out["measured"].append(f"pg/pingpong/{mb:g}")
+            else:
+                for _ in range(warmup + repeats):
+                    _pong(dist, buf)
+    if ctx.world_size >= 2:
+        dist.barrier()
+    out["pg_backend"] = ctx.pg_backend
+    return out
+
+
+def _ping(dist: Any, buf: Any) -> None:
+    dist.send(buf, 1)
+    dist.recv(buf, 1)
+
+
+def _pong(dist: Any, buf: Any) -> None:
+    dist.recv(buf, 0)
+    dist.send(buf, 0)
+
+
+def _identity_checks(torch: Any, ctx: Any) -> dict[str, bool]:
+    """d2l: ``Z.cuda(1) is Z``: moving a tensor to the device it is on returns it, uncopied."""
+    z = torch.ones(2, 3, device=ctx.device)
+    same = z.cuda(ctx.local_rank) if ctx.device.type == "cuda" else z.cpu()
+    copied = z.to(ctx.device, copy=True)
+    return {
+        "to_same_device_is_same": z.to(ctx.device) is z,
+        "cuda_or_cpu_call_is_same": same is z,
+        "same_storage": same.data_ptr() == z.data_ptr(),
+        "copy_true_makes_new": copied is not z and copied.data_ptr() != z.data_ptr(),
+    }
+
+
+def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
+    """GB/s per direction, memory kind and size (median over ranks), plus the identity checks."""
+    ranks = ok_ranks(stages)
+    sizes = _sizes(params)
+    on_cuda = any(str(r["device"]).startswith("cuda") for r in ranks)
+    kinds = (*GPU_KINDS, "d2d/peer", "pg/pingpong") if on_cuda else ("h2h/memcpy", "pg/pingpong")
+    rows = []
+    for kind in kinds:
+        for mb in sizes:
+            name = f"{kind}/{mb:g}"
+            per_rank = [med(r["metrics"]["times_ms"].get(name)) for r in ranks if name in r["metrics"]["times_ms"]]
+            per_rank = [ms for ms in per_rank if ms]
+            if not per_rank:
+                continue
+            ms = med(per_rank)
+            # a ping-pong moves the buffer twice: one way is half the round trip
+            one_way_ms = ms / 2 if kind == "pg/pingpong" else ms
+            rows.append(
+                {
+                    "copy": DESCRIPTIONS[kind],
+                    "mib": mb,
+                    "ms": rnd(one_way_ms, 4),
+                    "gb_s": rnd(mb * 2**20 / 1e9 / (one_way_ms / 1e3), 3),
+                    "ranks": len(per_rank),
+                    "kind": kind,
+                }
+            )
+    identity = {r["rank"] if len(stages) == 1 else f"{r['world_size']}:{r['rank']}": (r.get("result") or {}).get("identity") for r in ranks}
+    identity_ok = bool(identity) and all(v and all(v.values()) for v in identity.values())
+    pg = sorted({(r.get("result") or {}).get("pg_backend") for r in ranks} - {None})
+    pingpong_hosts = {r["host"] for r in ranks if r["rank"] in (0, 1) and r["world_size"] >= 2}
+    not_measured = [] if on_cuda else [DESCRIPTIONS[k] for k in GPU_KINDS] + [DESCRIPTIONS["d2d/peer"]]
+    if on_cuda and not any(r["kind"] == "d2d/peer" for r in rows):
+        not_measured.append(DESCRIPTIONS["d2d/peer"] + " (needs two GPUs visible to one process)")
+    if not any(r["kind"] == "pg/pingpong" for r in rows):
+        not_measured.append(DESCRIPTIONS["pg/pingpong"] + " (needs world size 2)")
+    return {
+        "title": "copy bandwidth (median over ranks)",
+        "columns": ["copy", "mib", "ms", "gb_s", "ranks"],
+        "rows": rows,
+        "on_gpu": on_cuda,
+        "not_measured": not_measured,
+        "identity": identity,
+        "identity_ok": identity_ok,
+        "pinned_vs_pageable": _pinned_ratios(rows),
+        "pg_backends": pg,
+        "pingpong_across_hosts": len(pingpong_hosts) > 1,
+        "conclusions": _conclusions(rows, on_cuda, identity_ok, not_measured, pg),
+    }
+
+
+def _pinned_ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    by = {(r["kind"], r["mib"]): r["gb_s"] for r in rows}
+    out = {}
+    for direction in ("h2d", "d2h"):
+        for (kind, mb), gbs in by.items():
+            if kind == f"{direction}/pinned" and by.get((f"{direction}/pageable", mb)):
+                out[f"{direction}/{mb:g}"] = rnd(gbs / by[(f"{direction}/pageable", mb)], 3)
+    return out
+
+
+def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, identity_ok: bool, not_measured: list[str], pg: list[str]) -> list[str]:
+    out = []
+    if not rows:
+        return ["no rank finished: nothing to compare"]
+    largest = max(r["mib"] for r in rows)
+    top = {r["kind"]: r for r in rows if r["mib"] == largest}
+    if on_cuda:
+        for d, words in (("h2d", "host->device"), ("d2h", "device->host")):
+            pin, page = top.get(f"{d}/pinned"), top.get(f"{d}/pageable")
+            if pin and page:
+                out.append(
+                    f"{words} at {largest:g} MiB: pinned {pin['gb_s']:.3g} GB/s vs pageable {page['gb_s']:.3g} GB/s "
+                    f"({pin['gb_s'] / page['gb_s']:.2f}x)"
+                )
+        if "d2d/peer" in top:
+            out.append(f"GPU to GPU in one process at {largest:g} MiB: {top['d2d/peer']['gb_s']:.3g} GB/s")
+    else:
+        if "h2h/memcpy" in top:
+            out.append(f"host memcpy at {largest:g} MiB: {top['h2h/memcpy']['gb_s']:.3g} GB/s (the CPU reference: no device here)")
+        out.append("no GPU: host<->device copies (pageable and pinned) and GPU-to-GPU copies not measured")
+    if "pg/pingpong" in top:
+        what = "GPU to GPU" if on_cuda else "CPU process to CPU process, not a GPU copy"
+        out.append(f"rank 0 -> rank 1 through {'/'.join(pg)} at {largest:g} MiB: {top['pg/pingpong']['gb_s']:.3g} GB/s one way ({what})")
+    out.append(
+        "x.to(its own device) returns x itself: no copy (d2l's Z.cuda(1) is Z), while copy=True makes one"
+        if identity_ok
+        else "WARNING: .to() of a tensor already on its device did not return the same tensor"
+    )
+    return out
+
+
+def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    summary = result.get("summary") or {}
+    rows = summary.get("rows") or []
+    if not rows:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    styles = {"pinned": "-", "pageable": "--"}
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["mib"])
+        ax.plot([r["mib"] for r in mine], [r["gb_s"] for r in mine], marker="o",
+                linestyle=styles.get(kind.split("/")[1], "-"), label=DESCRIPTIONS.get(kind, kind))
+    xlabel = "copy size (MiB)"
+    if summary.get("not_measured"):
+        import textwrap
+
+        xlabel += "\n" + textwrap.fill("not measured: " + "; ".join(summary["not_measured"]), 100)
+    ax.set(xscale="log", xlabel=xlabel, ylabel="GB/s (median over ranks)", title="copy bandwidth")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ok = "yes" if summary.get("identity_ok") else "NO"
+    fig.suptitle(f"{result['job']} on {devices_label(result)}  ·  x.to(own device) is x: {ok}")
+    return [save_figure(fig, run_dir, "transfer.png")]
