@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import secrets
 import shutil
 import socket

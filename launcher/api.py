@@ -7,7 +7,6 @@ result.json, plots and the summary. A notebook user gets the same ``RunResult`` 
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import signal
 import socket
@@ -75,16 +74,9 @@ def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "ru
     nodes = resolve_nodes(job, cluster)
     run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
     plans = make_plans(job, nodes, run_dir=run_dir, master_port=_rendezvous_port(nodes), backend=name)
-    commands = tuple(tuple(_describe(name, plan)) for plan in plans)
+    backend_cls = backends.get_backend(name)
+    commands = tuple(tuple(backend_cls.describe_plan(plan)) for plan in plans)
     return DryRun(job, tuple(plans), commands)
-
-
-def _describe(backend_name: str, plan: LaunchPlan) -> list[str]:
-    if backend_name == "torchrun":
-        from launcher.backends.torchrun import TorchrunBackend
-
-        return TorchrunBackend.describe_plan(plan)
-    return [f"ray actor {plan.job}-rank{r.rank} on {r.device}" for r in plan.ranks]
 
 
 def _plan_factory(
@@ -138,9 +130,11 @@ def run_job(
 
     loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
     name = _backend_name(loaded, backend)
-    nodes = resolve_nodes(loaded, cluster)
-    device_type, sizes = stage_sizes(loaded, nodes)  # impossible requests fail before any spawn
     backend_cls = backends.get_backend(name)
+    nodes: list[NodeTarget] | None = None
+    if not backend_cls.schedules_onto_cluster():
+        nodes = resolve_nodes(loaded, cluster)
+        stage_sizes(loaded, nodes)  # impossible requests fail here, before anything is spawned
     ui = ui or RunUI()
     stop = stop or StopRequest()
     run_id = new_run_id()
@@ -152,6 +146,9 @@ def run_job(
     started = time.time()
     outcomes: list[StageOutcome] = []
     with _stop_on_signals(stop), backend_cls.session(loaded):
+        if nodes is None:  # a Ray cluster: plan on what it has, known once connected
+            nodes = backend_cls.pool_nodes(loaded)
+        device_type, sizes = stage_sizes(loaded, nodes)
         for size in sizes:
             ui.stage_started(loaded.spec.name, size, device_type, name)
             try:
@@ -173,7 +170,7 @@ def run_job(
 def finish_run(
     loaded: LoadedJob, backend_name: str, run_id: str, run_dir: Path, outcomes: list[StageOutcome], started: float, ui: Any
 ) -> RunResult:
-    from launcher.results import make_plots, write_result
+    from launcher.results import attach_plots, write_result
 
     t_agg = time.time()
     effective = loaded.spec.model_dump(mode="json")
@@ -190,12 +187,7 @@ def finish_run(
         started_at=started,
     )
     result["run_dir"] = str(run_dir)
-    try:
-        plots = make_plots(result, run_dir, loaded.spec.entrypoint)
-    except Exception as exc:  # noqa: BLE001 - a broken plot must not lose the results
-        plots = []
-        result["plot_error"] = f"{type(exc).__name__}: {exc}"
-    result["plots"] = [os.path.relpath(p, run_dir) for p in plots]
+    plots = attach_plots(result, run_dir, loaded.spec.entrypoint)
     result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
     write_result(run_dir, result)
     ui.finished(result, str(run_dir))

@@ -77,8 +77,7 @@ def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
     console = Console()
     for thing in plan_renderables(dry.plans, dry.commands):
         console.print(thing)
-    console.print("dry run: nothing was started (each node runs the command above via `python -m launcher.agent`, "
-                  "torchrun with a parent-death signal)")
+    console.print("dry run: nothing was started")
     return EXIT_OK
 
 

@@ -46,6 +46,7 @@ def devices_table(inv: NodeInventory, cpu_workers: int) -> list[Any]:
 
 
 def plan_renderables(plans: Sequence[LaunchPlan], commands: Sequence[Sequence[str]]) -> list[Any]:
+    """Per stage: the rank table, each node's env, and what the backend would run (its own lines)."""
     out: list[Any] = []
     for plan, cmds in zip(plans, commands):
         table = Table(title=f"{plan.job}: world size {plan.world_size}, rendezvous {plan.master_addr}:{plan.master_port}")
@@ -54,10 +55,10 @@ def plan_renderables(plans: Sequence[LaunchPlan], commands: Sequence[Sequence[st
         for r in plan.ranks:
             table.add_row(str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, r.pg_backend, r.log_path)
         out.append(table)
-        for node, cmd in zip(plan.nodes, cmds):
+        for node in plan.nodes:
             env = " ".join(f"{k}={v}" for k, v in mask_env(node.env).items())
             out.append(Text(f"[{node.host}] env: {env}", style="dim"))
-            out.append(Text(f"[{node.host}] $ {cmd}"))
+        out.extend(Text(line) for line in cmds)
     return out
 
 

@@ -10,11 +10,13 @@ import json
 import shlex
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from launcher.devices import NodeInventory
 from launcher.errors import PlanError
-from launcher.spec import LoadedJob, mask_env
+
+if TYPE_CHECKING:  # launcher.spec pulls in pydantic and yaml: ~0.2 s the worker does not need
+    from launcher.spec import LoadedJob
 
 LOG_PREFIX_SEPARATOR = "| "
 
@@ -104,6 +106,8 @@ class LaunchPlan:
     run_timeout_s: float
     max_restarts: int
     spec_env: Mapping[str, str] = field(default_factory=dict)
+    # how a backend that places ranks itself (Ray) spreads them: pack | spread | strict_pack | strict_spread
+    placement: str = "pack"
 
     def rank_env(self, rank: RankAssignment) -> dict[str, str]:
         """The env torchrun gives a rank, plus the node's env: what ``script:`` mode sees."""
@@ -128,6 +132,8 @@ class LaunchPlan:
 
     def masked(self) -> dict[str, Any]:
         """The plan as data for display and dry runs; secret-looking env values masked."""
+        from launcher.spec import mask_env
+
         return {
             "job": self.job,
             "backend": self.backend,
@@ -275,6 +281,7 @@ def plan_stage(
         run_timeout_s=spec.timeouts.run_s,
         max_restarts=spec.max_restarts,
         spec_env=spec.env,
+        placement=spec.ray.placement,
     )
 
 

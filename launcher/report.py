@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, LauncherError
-from launcher.results import RESULT_FILE, load_result, make_plots, write_result
+from launcher.results import RESULT_FILE, attach_plots, load_result, write_result
 
 
 def rerender(run_dir: Path) -> int:
@@ -16,10 +15,11 @@ def rerender(run_dir: Path) -> int:
     from launcher.console import RunUI
 
     entrypoint = (result.get("spec") or {}).get("entrypoint")
-    plots = make_plots(result, run_dir, entrypoint)
-    result["plots"] = [os.path.relpath(p, run_dir) for p in plots]
+    attach_plots(result, run_dir, entrypoint)
     write_result(run_dir, result)
     RunUI().finished(result, str(run_dir))
     for plot in result["plots"]:
         print(f"plot: {run_dir / plot}")
+    if result.get("plot_error"):
+        print(f"plots failed: {result['plot_error']}")
     return EXIT_OK

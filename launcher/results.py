@@ -8,6 +8,7 @@ A workload module may add two hooks, imported only here, at the end of the run:
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,19 @@ def make_plots(result: Mapping[str, Any], run_dir: Path, entrypoint: str | None)
 
     matplotlib.use("Agg")  # files only: no display on servers
     return [str(p) for p in hook(result, run_dir)]
+
+
+def attach_plots(result: dict[str, Any], run_dir: Path, entrypoint: str | None) -> list[str]:
+    """Render the job's plots and list them in ``result["plots"]``; a broken plot hook is noted
+    in ``result["plot_error"]`` and never loses the results."""
+    try:
+        plots = make_plots(result, run_dir, entrypoint)
+        result.pop("plot_error", None)
+    except Exception as exc:  # noqa: BLE001 - the user's plot code may raise anything
+        plots = []
+        result["plot_error"] = f"{type(exc).__name__}: {exc}"
+    result["plots"] = [os.path.relpath(p, run_dir) for p in plots]
+    return plots
 
 
 def write_result(run_dir: Path, result: dict[str, Any]) -> Path:

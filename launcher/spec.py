@@ -88,6 +88,10 @@ class RaySettings(_Frozen):
     dashboard_host: str = "127.0.0.1"
     expose_dashboard: bool = False
     namespace: str = "gpulaunch"
+    # Ray's placement-group strategy for the ranks' gang: "pack" fills as few nodes as possible
+    # (NVLink-friendly, spills over to more nodes when one is full), "spread" one rank per node
+    # where it can; the strict_ forms fail instead of falling back.
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
 
 
 class JobSpec(_Frozen):

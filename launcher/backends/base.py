@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from launcher.logstream import LogRouter
-from launcher.plan import LaunchPlan
+from launcher.plan import LaunchPlan, NodeTarget
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,18 @@ class Backend(ABC):
     def collect(self) -> None:
         """Bring per-rank reports to the launcher's stage directory (no-op where they are local)."""
 
-    def describe(self) -> list[str]:
-        """Human-readable commands for ``--dry-run``."""
+    @staticmethod
+    def describe_plan(plan: LaunchPlan) -> list[str]:
+        """Human-readable commands for ``--dry-run`` (nothing is started)."""
         return []
+
+    @classmethod
+    def schedules_onto_cluster(cls) -> bool:
+        """True when the backend places ranks on its own cluster (a Ray cluster): the plan then
+        comes from ``pool_nodes`` inside the session, not from this machine or ``--cluster``."""
+        return False
+
+    @classmethod
+    def pool_nodes(cls, job: Any) -> list[NodeTarget]:
+        """The backend's cluster as nodes to plan on; asked inside ``session``."""
+        raise NotImplementedError(f"{cls.name} does not schedule onto a cluster of its own")

@@ -15,15 +15,10 @@ to the LogRouter and reports how ranks ended; ``stop`` kills the actors and remo
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
-import signal
-import socket
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,14 +29,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.backends.base import Backend, BackendStatus, RankExit
+from launcher.devices import GpuInfo, NodeInventory
 from launcher.errors import BackendError, LauncherError
-from launcher.plan import LaunchPlan
-from launcher.procutil import pid_alive, process_start_time, read_json, wait_gone, write_json_atomic
+from launcher.plan import LaunchPlan, NodeTarget
+from launcher.procutil import descendants, kill_now, pid_alive, process_start_time, read_json, wait_gone, write_json_atomic
+from launcher.ray_actor import RankActor
+from launcher.worker import failure_report
 
 CONNECT_ENV = "GPULAUNCH_RAY_CONNECT"  # set by launcher.ray_jobs: connect to the cluster, never embed
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DRAIN_WAIT_S = 0.5
-STEP_TIME_BUCKETS_S = [0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]
 _log = logging.getLogger(__name__)
 
 
@@ -78,31 +75,10 @@ def job_metadata(spec: Any) -> dict[str, str]:
     }
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _kill_leftovers(pids: dict[int, float | None]) -> None:
     """SIGKILL, by pid, what the embedded Ray left behind (checked by start time against reuse)."""
     alive = [p for p in wait_gone(list(pids), 10.0) if process_start_time(p) == pids[p]]
-    for pid in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    wait_gone(alive, 5.0)
+    kill_now(alive)
     for pid in alive:  # our own children that died: reap them so no zombie remains
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
@@ -148,195 +124,10 @@ def ray_session(job: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        ours = {p: process_start_time(p) for p in _descendants(os.getpid())} if embedded else {}
+        ours = {p: process_start_time(p) for p in descendants(os.getpid())} if embedded else {}
         ray.shutdown()
         if ours:
             _kill_leftovers(ours)
-
-
-# --- the actor: one rank ---------------------------------------------------------------------------
-
-
-class _OutputTee:
-    """Captures this process's fds 1 and 2 (Python and C output alike) line by line for the
-    launcher, and still writes everything to Ray's own log files."""
-
-    def __init__(self, limit: int = 100_000) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=limit)
-        self.cond = threading.Condition()
-        read_fd, write_fd = os.pipe()
-        self._original = os.dup(1)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os.dup2(write_fd, 1)
-        os.dup2(write_fd, 2)
-        os.close(write_fd)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.reconfigure(line_buffering=True)
-        threading.Thread(target=self._pump, args=(read_fd,), daemon=True, name="gpulaunch-tee").start()
-
-    def _pump(self, fd: int) -> None:
-        with os.fdopen(fd, "rb") as pipe:
-            for raw in pipe:
-                with contextlib.suppress(OSError):
-                    os.write(self._original, raw)
-                with self.cond:
-                    self.lines.append(raw.decode("utf-8", errors="replace").rstrip("\n"))
-                    self.cond.notify_all()
-
-    def drain(self, wait_s: float) -> list[str]:
-        with self.cond:
-            if not self.lines and wait_s > 0:
-                self.cond.wait(wait_s)
-            out = list(self.lines)
-            self.lines.clear()
-        return out
-
-
-class _StepMetrics:
-    """Ray metrics for the dashboard: the step hook only bumps host numbers (no device sync);
-    a background thread exports them once a second."""
-
-    def __init__(self, job: str, rank: int) -> None:
-        from ray.util.metrics import Counter, Gauge, Histogram
-
-        self.tags = {"job": job, "rank": str(rank)}
-        keys = ("job", "rank")
-        self.counter = Counter("gpulaunch_steps", description="steps done by a rank", tag_keys=keys)
-        self.gauge = Gauge("gpulaunch_step_time_s", description="last host time between steps", tag_keys=keys)
-        self.hist = Histogram("gpulaunch_step_seconds", description="host time between steps", boundaries=STEP_TIME_BUCKETS_S, tag_keys=keys)
-        self.pending: collections.deque[float] = collections.deque(maxlen=10_000)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="gpulaunch-metrics")
-        self._thread.start()
-
-    def hook(self, _steps: int, seconds: float) -> None:  # in the step loop: host numbers only
-        self.pending.append(seconds)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            self.flush()
-
-    def flush(self) -> None:
-        batch = []
-        while self.pending:
-            batch.append(self.pending.popleft())
-        if not batch:
-            return
-        with contextlib.suppress(Exception):  # metrics are best effort; the report is what counts
-            self.counter.inc(len(batch), tags=self.tags)
-            self.gauge.set(batch[-1], tags=self.tags)
-            for seconds in batch[-1000:]:
-                self.hist.observe(seconds, tags=self.tags)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.flush()
-
-
-def _install_step_hook(hook: Any) -> None:
-    """Give every MetricsRecorder made in this (dedicated) actor process the Ray metrics hook."""
-    import launcher.metrics as metrics
-
-    base = metrics.MetricsRecorder
-    if getattr(base, "_gpulaunch_ray", False):
-        return
-
-    class RayMetricsRecorder(base):  # type: ignore[misc, valid-type]
-        _gpulaunch_ray = True
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.add_step_hook(hook)
-
-    metrics.MetricsRecorder = RayMetricsRecorder
-
-
-class RankActor:
-    """One rank. Threaded (``max_concurrency``) so the launcher can drain output while it runs."""
-
-    def __init__(self, job: str, rank: int) -> None:
-        self.job, self.rank = job, rank
-        self.tee = _OutputTee()
-        self.started = time.time()
-
-    def probe(self, want_port: bool) -> dict[str, Any]:
-        ip = ray.util.get_node_ip_address()
-        port = None
-        if want_port:
-            from launcher.procutil import free_port
-
-            port = free_port(ip)
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ip,
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "port": port,
-        }
-
-    def drain(self, wait_s: float) -> list[str]:
-        return self.tee.drain(wait_s)
-
-    def run(self, config_json: str, env: dict[str, str], same_node: bool) -> dict[str, Any]:
-        from launcher.plan import WorkerConfig
-        from launcher.worker import run_rank
-
-        config = WorkerConfig.from_json(config_json)
-        if not same_node:  # the launcher's stage dir is not here: keep files local, return the report
-            config = WorkerConfig.from_json(config_json.replace(config.stage_dir, tempfile.mkdtemp(prefix="gpulaunch-")))
-        os.environ.update(env)
-        metrics = _StepMetrics(self.job, self.rank)
-        _install_step_hook(metrics.hook)
-        mismatch = _device_mismatch(config.device_type, env)
-        if mismatch:
-            return _failed_report(config, env, "DeviceMismatch", mismatch)
-        try:
-            return run_rank(config, os.environ, spawned_at=self.started)
-        finally:
-            metrics.close()
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-
-
-def _device_mismatch(device_type: str, env: dict[str, str]) -> str | None:
-    """Ray rewrites CUDA_VISIBLE_DEVICES per actor (ray#40803); check ours took effect: the node's
-    granted GPUs visible, and this rank's own at position LOCAL_RANK (its ``cuda:<local_rank>``)."""
-    if device_type != "cuda":
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    local_rank, granted = int(env["LOCAL_RANK"]), env.get("GPULAUNCH_GRANTED_GPU", "")
-    if local_rank >= len(visible) or visible[local_rank] != granted:
-        return f"rank {env['RANK']} was granted GPU {granted} but cuda:{local_rank} is GPU {visible[local_rank] if local_rank < len(visible) else 'none'} (CUDA_VISIBLE_DEVICES={','.join(visible)})"
-    import torch
-
-    if torch.cuda.device_count() != len(visible):
-        return f"rank {env['RANK']} sees {torch.cuda.device_count()} GPU(s), expected {len(visible)} (CUDA_VISIBLE_DEVICES={','.join(visible)}; was CUDA initialised before the launcher set it?)"
-    return None
-
-
-def _failed_report(config: Any, env: dict[str, str], kind: str, message: str) -> dict[str, Any]:
-    report = {
-        "report_version": 1,
-        "rank": int(env["RANK"]),
-        "local_rank": int(env["LOCAL_RANK"]),
-        "node_rank": int(env.get("GROUP_RANK", "0")),
-        "world_size": int(env["WORLD_SIZE"]),
-        "host": env.get("LAUNCHER_HOST", socket.gethostname()),
-        "device": f"cuda:{env['LOCAL_RANK']}" if config.device_type == "cuda" else "cpu",
-        "status": "failed",
-        "phases": {},
-        "metrics": {},
-        "result": None,
-        "error": {"type": kind, "message": message, "traceback": message, "time": time.time()},
-    }
-    print(f"{kind}: {message}", file=sys.stderr, flush=True)
-    write_json_atomic(Path(config.stage_dir) / "reports" / f"rank{report['rank']}.json", report)
-    return report
 
 
 # --- the backend -------------------------------------------------------------------------------------
@@ -350,6 +141,25 @@ class RayBackend(Backend):
     def session(cls, job: Any) -> Iterator[None]:
         with ray_session(job):
             yield
+
+    @classmethod
+    def schedules_onto_cluster(cls) -> bool:
+        return bool(os.environ.get(CONNECT_ENV))  # inside a Ray job: the cluster, not this node
+
+    @classmethod
+    def pool_nodes(cls, job: Any) -> list[NodeTarget]:
+        """The whole Ray cluster as one pool to plan on: its alive nodes' CPUs and GPUs summed.
+        Where each rank lands is the placement group's choice (``ray.placement``)."""
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        cpus = sum(int(n.get("Resources", {}).get("CPU", 0)) for n in alive)
+        gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in alive)
+        inventory = NodeInventory(
+            hostname=f"ray cluster ({len(alive)} nodes)",
+            cpu_count=max(1, cpus),
+            gpus=tuple(GpuInfo(i, i, "GPU (Ray resource)", 0, None, None, f"ray-gpu-{i}") for i in range(gpus)),
+            source="ray",
+        )
+        return [NodeTarget(name="ray", address=ray.util.get_node_ip_address(), inventory=inventory, python=sys.executable)]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -366,18 +176,21 @@ class RayBackend(Backend):
         self._deadline = 0.0
         self._failure = ""
 
-    def describe(self) -> list[str]:
-        return [f"ray actor {self.plan.job}-rank{r.rank} on {r.device}" for r in self.plan.ranks]
-
-    def _bundle(self) -> dict[str, float]:
-        return {"CPU": 1.0, "GPU": 1.0} if self.plan.worker.device_type == "cuda" else {"CPU": 1.0}
+    @staticmethod
+    def describe_plan(plan: LaunchPlan) -> list[str]:
+        """What ``--dry-run`` prints: the gang Ray is asked to reserve and the actors it will run."""
+        bundle = _bundle(plan.worker.device_type)
+        return [
+            f"placement group {plan.job}-world{plan.world_size}: {plan.world_size} x {bundle}, strategy {plan.placement.upper()}",
+            *(f"ray actor {plan.job}-rank{r.rank}: launcher.worker.run_rank in a {plan.worker.pg_backend} process group" for r in plan.ranks),
+        ]
 
     def start(self) -> None:
         if not ray.is_initialized():
             raise BackendError("the Ray backend runs inside RayBackend.session (use launcher.run_job)")
         self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
-        bundle = self._bundle()
-        strategy = "STRICT_PACK" if len(self.plan.nodes) == 1 else "PACK"
+        bundle = _bundle(self.plan.worker.device_type)
+        strategy = self.plan.placement.upper()
         self._pg = placement_group([dict(bundle) for _ in self.plan.ranks], strategy=strategy, name=f"{self.plan.job}-world{self.plan.world_size}")
         self._deadline = time.monotonic() + self.plan.worker.rendezvous_timeout_s
         remote_cls = ray.remote(RankActor)
@@ -431,7 +244,7 @@ class RayBackend(Backend):
             self._fail(self._gang_timeout_message())
 
     def _gang_timeout_message(self) -> str:
-        n, bundle = len(self.plan.ranks), self._bundle()
+        n, bundle = len(self.plan.ranks), _bundle(self.plan.worker.device_type)
         try:
             available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
             total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
@@ -440,7 +253,7 @@ class RayBackend(Backend):
         return (
             f"gang scheduling timed out after timeouts.rendezvous_s={self.plan.worker.rendezvous_timeout_s:g}s: "
             f"the Ray cluster could not reserve {n} x {bundle} together (all or nothing, "
-            f"{'one node' if len(self.plan.nodes) == 1 else 'packed'}); cluster total {total}, available {available}"
+            f"placement {self.plan.placement}); cluster total {total}, available {available}"
         )
 
     def _launch_runs(self) -> None:
@@ -468,6 +281,10 @@ class RayBackend(Backend):
             LOCAL_RANK=str(peers.index(rank)),
             LAUNCHER_HOST=me["hostname"],
         )
+        if len(node_order) > 1 and me.get("ifname"):
+            # across nodes, talk over the interface Ray itself uses (unless the spec chose one)
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                env.setdefault(var, me["ifname"])
         if self.plan.worker.device_type == "cuda":
             # co-located ranks see all of their node's granted GPUs; each uses cuda:<local_rank>
             granted = sorted({g for k in peers for g in self._probes[k]["gpu_ids"]}, key=_gpu_key)
@@ -565,23 +382,19 @@ class RayBackend(Backend):
                 # by its last sign of life (its progress beacon) so the root cause is this rank.
                 beacon = read_json(self.plan.stage_dir / "progress" / f"rank{r.rank}.json") or {}
                 seen = beacon.get("t") if isinstance(beacon.get("t"), (int, float)) else self._died_at.get(r.rank, time.time())
-                write_json_atomic(
-                    path,
-                    {
-                        "report_version": 1,
-                        "rank": r.rank,
-                        "local_rank": r.local_rank,
-                        "node_rank": r.node_rank,
-                        "world_size": self.plan.world_size,
-                        "host": self._probes.get(r.rank, {}).get("hostname", r.host),
-                        "device": r.device,
-                        "status": "failed",
-                        "phases": {},
-                        "metrics": {},
-                        "result": None,
-                        "error": {"type": "ActorDied", "message": _first_line(detail), "traceback": detail, "time": seen},
-                    },
+                report = failure_report(
+                    rank=r.rank,
+                    local_rank=r.local_rank,
+                    node_rank=r.node_rank,
+                    world_size=self.plan.world_size,
+                    host=self._probes.get(r.rank, {}).get("hostname", r.host),
+                    device=r.device,
+                    error_type="ActorDied",
+                    message=_first_line(detail),
+                    traceback_text=detail,
+                    at=seen,
                 )
+                write_json_atomic(path, report)
 
 
 def _actor_exists(name: str) -> bool:
@@ -606,4 +419,9 @@ def _gpu_key(gpu: str) -> tuple[int, str]:
     return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)
 
 
-__all__ = ["RayBackend", "RankActor", "ray_session", "check_dashboard_exposure"]
+def _bundle(device_type: str) -> dict[str, float]:
+    """One rank's reservation: a CPU, and its GPU when the job runs on GPUs."""
+    return {"CPU": 1.0, "GPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
+
+
+__all__ = ["RayBackend", "ray_session", "check_dashboard_exposure"]

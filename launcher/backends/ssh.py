@@ -335,7 +335,7 @@ def _stage_worker_pids(stage: Path) -> list[int]:
 
 
 def _teardown(proc: subprocess.Popen, stage: Path, grace_s: float) -> None:
-    from launcher.procutil import wait_gone
+    from launcher.procutil import kill_now
 
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
@@ -349,13 +349,7 @@ def _teardown(proc: subprocess.Popen, stage: Path, grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             pass
     # Ranks die with their agent (parent-death signal); any that did not are found by pid.
-    strays = _stage_worker_pids(stage)
-    for pid in strays:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    wait_gone(strays, 5.0)
+    kill_now(_stage_worker_pids(stage))
 
 
 def _read_line(fd: int) -> bytes:

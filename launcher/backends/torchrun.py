@@ -18,7 +18,7 @@ from pathlib import Path
 from launcher.backends.base import Backend, BackendStatus, RankExit
 from launcher.errors import BackendError
 from launcher.plan import LaunchPlan, NodeLaunch
-from launcher.procutil import cmdline, pid_alive, read_json, wait_gone
+from launcher.procutil import cmdline, kill_now, pid_alive, read_json
 
 
 class TorchrunBackend(Backend):
@@ -28,9 +28,6 @@ class TorchrunBackend(Backend):
         super().__init__(*args, **kwargs)
         self._agents: list[tuple[NodeLaunch, subprocess.Popen]] = []
 
-    def describe(self) -> list[str]:
-        return self.describe_plan(self.plan)
-
     @staticmethod
     def describe_plan(plan: LaunchPlan) -> list[str]:
         """Per node: the exact command (plain ``torchrun`` form; over SSH, the ssh command)."""
@@ -39,9 +36,10 @@ class TorchrunBackend(Backend):
             if node.target.ssh is not None:
                 from launcher.backends.ssh import remote_agent_command
 
-                lines.append(shlex.join(remote_agent_command(node, plan)))
+                lines.append(f"[{node.host}] $ {shlex.join(remote_agent_command(node, plan))}")
             else:
-                lines.append(node.torchrun_command())
+                lines.append(f"[{node.host}] $ {node.torchrun_command()}")
+        lines.append("(each node runs its command via `python -m launcher.agent`: torchrun with a parent-death signal)")
         return lines
 
     def _command(self, node: NodeLaunch) -> tuple[list[str], dict[str, str]]:
@@ -132,12 +130,7 @@ class TorchrunBackend(Backend):
             pid = (read_json(progress) or {}).get("pid")
             if isinstance(pid, int) and pid_alive(pid) and stage in cmdline(pid):
                 pids.append(pid)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wait_gone(pids, 5.0)
+        kill_now(pids)
 
     def collect(self) -> None:
         if any(n.target.ssh is not None for n in self.plan.nodes):  # reports back over ssh (issue 4)

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import textwrap
 import time
 from pathlib import Path
 

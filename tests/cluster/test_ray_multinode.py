@@ -141,14 +141,6 @@ def _need_ray_backend(*modules: str) -> None:
         pytest.skip(f"the Ray backend is not in this tree yet (missing {', '.join(missing)})")
 
 
-NOT_SPREAD_YET = pytest.mark.xfail(
-    reason="issue 4.5 pending in launcher/backends/ray.py: a one-node plan uses a STRICT_PACK placement group, "
-    "so 2 ranks never spread over two 1-CPU nodes (gang scheduling times out)",
-    strict=False,
-)
-
-
-@NOT_SPREAD_YET
 def test_ray_backend_spreads_ranks_over_both_nodes(ray_two_nodes, tmp_path):
     """The launcher as a driver connected to the cluster (what a Ray job's entrypoint does)."""
     _need_ray_backend()
@@ -159,7 +151,6 @@ def test_ray_backend_spreads_ranks_over_both_nodes(ray_two_nodes, tmp_path):
     _assert_spread(done, tmp_path)
 
 
-@NOT_SPREAD_YET
 def test_launch_with_address_runs_across_both_nodes(ray_two_nodes, tmp_path):
     """`launch ... --address http://HEAD:8265` from the launching host (Ray Jobs API)."""
     _need_ray_backend("launcher.ray_jobs")

@@ -24,6 +24,7 @@ from typing import Iterator
 
 import pytest
 
+from launcher import procutil
 from launcher.procutil import free_port, pid_alive, wait_gone
 
 pytest.importorskip("ray")
@@ -32,25 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
 def descendants(root: int) -> set[int]:
-    children, out, todo = _children_map(), set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
+    return set(procutil.descendants(root))
 
 
 def _is_zombie(pid: int) -> bool:

@@ -139,6 +139,26 @@ def test_submit_to_a_running_cluster_round_trips_result_and_metadata(ray_head, t
     assert "@gpulaunch-bundle" not in logs.stdout
 
 
+def test_on_a_cluster_the_world_size_comes_from_the_cluster_not_this_machine(ray_head, tmp_path: Path) -> None:  # noqa: ANN001
+    # the head offers 4 CPUs whatever this machine has; cpu_workers: auto means all of them
+    run = launch("jobs/matmul_scaling.yaml", "--backend", "ray", "--address", ray_head.address, *SMALL,
+                 "--set", "resources.cpu_workers=auto", "--set", "scaling=null", "--out", str(tmp_path), env=ray_head.env)
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    result = _result(tmp_path, "matmul_scaling")
+    assert result["world_sizes"] == [4]
+    assert sorted(r["rank"] for r in result["ranks"]) == [0, 1, 2, 3]
+
+
+def test_dry_run_shows_the_gang_and_the_actors_and_starts_no_ray(tmp_path: Path) -> None:
+    baseline = descendants(os.getpid())
+    run = launch("jobs/matmul_scaling.yaml", "--backend", "ray", "--dry-run", "--set", "ray.placement=spread", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())
+    assert "placement group matmul_scaling-world2: 2 x {'CPU': 1.0}, strategy SPREAD" in text
+    assert "ray actor matmul_scaling-rank1" in text and "nothing was started" in text
+    assert not any(tmp_path.iterdir()) and wait_no_orphans(baseline) == []
+
+
 def test_cluster_without_the_resources_fails_with_a_gang_scheduling_message(ray_head, tmp_path: Path) -> None:  # noqa: ANN001
     run = launch("jobs/matmul_scaling.yaml", "--backend", "ray", "--address", ray_head.address, *SMALL,
                  "--set", "resources.cpu_workers=8", "--set", "scaling.workers=[8]", "--set", "timeouts.rendezvous_s=2",

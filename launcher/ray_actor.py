@@ -1,0 +1,206 @@
+"""What runs inside each Ray actor: one rank of the job.
+
+The Ray counterpart of ``launcher.agent`` + ``launcher.worker`` under torchrun: the actor captures
+its own output for the launcher to stream, checks that Ray's ``CUDA_VISIBLE_DEVICES`` rewrite gave
+it the GPU it was granted, and then runs the shared per-rank runtime (``launcher.worker.run_rank``)
+with a step hook that exports step counters and times as Ray metrics for the dashboard.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from launcher.procutil import write_json_atomic
+
+STEP_TIME_BUCKETS_S = [0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]
+
+
+class _OutputTee:
+    """Captures this process's fds 1 and 2 (Python and C output alike) line by line for the
+    launcher, and still writes everything to Ray's own log files."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=limit)
+        self.cond = threading.Condition()
+        read_fd, write_fd = os.pipe()
+        self._original = os.dup(1)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.reconfigure(line_buffering=True)
+        threading.Thread(target=self._pump, args=(read_fd,), daemon=True, name="gpulaunch-tee").start()
+
+    def _pump(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as pipe:
+            for raw in pipe:
+                with contextlib.suppress(OSError):
+                    os.write(self._original, raw)
+                with self.cond:
+                    self.lines.append(raw.decode("utf-8", errors="replace").rstrip("\n"))
+                    self.cond.notify_all()
+
+    def drain(self, wait_s: float) -> list[str]:
+        with self.cond:
+            if not self.lines and wait_s > 0:
+                self.cond.wait(wait_s)
+            out = list(self.lines)
+            self.lines.clear()
+        return out
+
+
+class _StepMetrics:
+    """Ray metrics for the dashboard: the step hook only bumps host numbers (no device sync);
+    a background thread exports them once a second."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.tags = {"job": job, "rank": str(rank)}
+        keys = ("job", "rank")
+        self.counter = Counter("gpulaunch_steps", description="steps done by a rank", tag_keys=keys)
+        self.gauge = Gauge("gpulaunch_step_time_s", description="last host time between steps", tag_keys=keys)
+        self.hist = Histogram("gpulaunch_step_seconds", description="host time between steps", boundaries=STEP_TIME_BUCKETS_S, tag_keys=keys)
+        self.pending: collections.deque[float] = collections.deque(maxlen=10_000)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="gpulaunch-metrics")
+        self._thread.start()
+
+    def hook(self, _steps: int, seconds: float) -> None:  # in the step loop: host numbers only
+        self.pending.append(seconds)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.flush()
+
+    def flush(self) -> None:
+        batch = []
+        while self.pending:
+            batch.append(self.pending.popleft())
+        if not batch:
+            return
+        with contextlib.suppress(Exception):  # metrics are best effort; the report is what counts
+            self.counter.inc(len(batch), tags=self.tags)
+            self.gauge.set(batch[-1], tags=self.tags)
+            for seconds in batch[-1000:]:
+                self.hist.observe(seconds, tags=self.tags)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+
+
+class RankActor:
+    """One rank. Threaded (``max_concurrency``) so the launcher can drain output while it runs."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        self.job, self.rank = job, rank
+        self.tee = _OutputTee()
+        self.started = time.time()
+
+    def probe(self, want_port: bool) -> dict[str, Any]:
+        ip = ray.util.get_node_ip_address()
+        port = None
+        if want_port:
+            from launcher.procutil import free_port
+
+            port = free_port(ip)
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ip,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "port": port,
+            "ifname": interface_of(ip),
+        }
+
+    def drain(self, wait_s: float) -> list[str]:
+        return self.tee.drain(wait_s)
+
+    def run(self, config_json: str, env: dict[str, str], same_node: bool) -> dict[str, Any]:
+        from launcher.plan import WorkerConfig
+        from launcher.worker import run_rank
+
+        config = WorkerConfig.from_json(config_json)
+        if not same_node:  # the launcher's stage dir is not here: keep files local, return the report
+            config = WorkerConfig.from_json(config_json.replace(config.stage_dir, tempfile.mkdtemp(prefix="gpulaunch-")))
+        os.environ.update(env)
+        mismatch = _device_mismatch(config.device_type, env)
+        if mismatch:
+            return _mismatch_report(config, env, mismatch)
+        metrics = _StepMetrics(self.job, self.rank)
+        try:
+            return run_rank(config, os.environ, spawned_at=self.started, step_hooks=[metrics.hook])
+        finally:
+            metrics.close()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds ``ip`` (Linux), for GLOO_SOCKET_IFNAME: without it gloo
+    binds to whatever the hostname resolves to, often 127.0.0.1, and peers on other nodes fail."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if socket.inet_ntoa(packed[20:24]) == ip:
+                return name
+    return None
+
+
+def _device_mismatch(device_type: str, env: dict[str, str]) -> str | None:
+    """Ray rewrites CUDA_VISIBLE_DEVICES per actor (ray#40803); check ours took effect: the node's
+    granted GPUs visible, and this rank's own at position LOCAL_RANK (its ``cuda:<local_rank>``)."""
+    if device_type != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    local_rank, granted = int(env["LOCAL_RANK"]), env.get("GPULAUNCH_GRANTED_GPU", "")
+    if local_rank >= len(visible) or visible[local_rank] != granted:
+        return f"rank {env['RANK']} was granted GPU {granted} but cuda:{local_rank} is GPU {visible[local_rank] if local_rank < len(visible) else 'none'} (CUDA_VISIBLE_DEVICES={','.join(visible)})"
+    import torch
+
+    if torch.cuda.device_count() != len(visible):
+        return f"rank {env['RANK']} sees {torch.cuda.device_count()} GPU(s), expected {len(visible)} (CUDA_VISIBLE_DEVICES={','.join(visible)}; was CUDA initialised before the launcher set it?)"
+    return None
+
+
+def _mismatch_report(config: Any, env: dict[str, str], message: str) -> dict[str, Any]:
+    from launcher.worker import failure_report
+
+    report = failure_report(
+        rank=int(env["RANK"]),
+        local_rank=int(env["LOCAL_RANK"]),
+        node_rank=int(env.get("GROUP_RANK", "0")),
+        world_size=int(env["WORLD_SIZE"]),
+        host=env.get("LAUNCHER_HOST", socket.gethostname()),
+        device=f"cuda:{env['LOCAL_RANK']}",
+        error_type="DeviceMismatch",
+        message=message,
+    )
+    print(f"DeviceMismatch: {message}", file=sys.stderr, flush=True)
+    write_json_atomic(Path(config.stage_dir) / "reports" / f"rank{report['rank']}.json", report)
+    return report
