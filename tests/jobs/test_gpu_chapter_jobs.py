@@ -178,3 +178,22 @@ def test_launch_report_rerenders_table_and_plots(job, plot, request):
     out = " ".join(done.stdout.split())
     assert run.summary["title"].split(":")[0] in out
     assert run.summary["conclusions"][0].split(":")[0] in out
+
+
+RAY_SETS = {
+    "cpu_vs_gpu": ["params.sizes=[8,32]", "params.work_gflop=0.0001", "params.max_iters=20", "params.warmup=1"],
+    "sync_logging": ["params.steps=40", "params.n=16", "params.repeats=2"],
+    "transfer": ["params.sizes_mb=[0.25,1]", "params.repeats=2"],
+    "ddp_train": [*TINY_TRAIN, "params.epochs=1"],
+    "matmul_scaling": ["params.sizes=[64]", "params.iters=3", "params.warmup=1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", sorted(RAY_SETS))
+def test_every_job_runs_unchanged_on_the_ray_backend(job, tmp_path):
+    pytest.importorskip("ray")
+    run = run_job(tmp_path, job, "scaling.workers=[2]", "resources.cpu_workers=2", *RAY_SETS[job], backend="ray")
+    assert_succeeded(run, job, [2])
+    assert run.result["backend"] == "ray"
+    assert run.result["plots"] and run.summary.get("rows"), "the job's table and plots come out of a Ray run too"
