@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -223,27 +223,24 @@ def proc_table() -> dict[int, tuple[int, int, str]]:
 def kill_matching(text: str, *, exclude: int | None = None) -> list[int]:
     """SIGKILL, by pid, every live process whose command line contains ``text`` (a unique temp
     directory this benchmark created, e.g. a Ray temp dir), and return their pids."""
+    return _kill_where(lambda pid, _session, cmd: pid != exclude and text in cmd)
+
+
+def kill_session(sid: int) -> list[int]:
+    """SIGKILL, by pid, every live process of the session ``sid`` (a child started with
+    start_new_session=True, so sid is the child's own pid)."""
+    return _kill_where(lambda _pid, session, _cmd: session == sid)
+
+
+def _kill_where(chosen: Callable[[int, int, str], bool]) -> list[int]:
+    """SIGKILL every live process (never this one) for which ``chosen(pid, session, cmdline)``."""
     killed = []
-    for pid, (_, _, cmd) in proc_table().items():
-        if pid in (os.getpid(), exclude) or text not in cmd:
+    for pid, (_, session, cmd) in proc_table().items():
+        if pid == os.getpid() or not chosen(pid, session, cmd):
             continue
         try:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
         except ProcessLookupError:
             pass
-    return killed
-
-
-def kill_session(sid: int) -> list[int]:
-    """SIGKILL, by pid, every live process of the session ``sid`` (a child started with
-    start_new_session=True, so sid is the child's own pid)."""
-    killed = []
-    for pid, (_, session, _) in proc_table().items():
-        if session == sid and pid != os.getpid():
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
     return killed

@@ -145,6 +145,18 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def stage_worker_pids(stage_dir: str | Path) -> dict[int, int]:
+    """Rank -> pid of the stage's workers still alive on this machine: read from their progress
+    beacons and checked against the command line (a reused pid does not name the stage)."""
+    stage = Path(stage_dir)
+    pids = {}
+    for beacon in (stage / "progress").glob("rank*.json"):
+        pid = (read_json(beacon) or {}).get("pid")
+        if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid) and str(stage) in cmdline(pid):
+            pids[int(beacon.stem[len("rank"):])] = pid
+    return pids
+
+
 def kill_now(pids: list[int], wait_s: float = 5.0) -> None:
     """SIGKILL each pid (already gone is fine) and wait up to ``wait_s`` for them to vanish."""
     for pid in pids:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from launcher.backends.base import Backend, BackendStatus, RankExit
 from launcher.logstream import LogRouter, redact, secret_values
 from launcher.plan import LaunchPlan
-from launcher.procutil import cmdline, pid_alive, read_json, write_json_atomic
+from launcher.procutil import read_json, stage_worker_pids, write_json_atomic
 
 POLL_S = 0.05
 # After the first rank's error report, how long the process layer may take to end by itself
@@ -183,19 +183,9 @@ def progress_snapshot(plan: LaunchPlan, t0: float) -> dict[str, Any]:
     return {"phases": phases, "steps_min": min(steps, default=0), "steps_max": max(steps, default=0), "elapsed_s": time.time() - t0}
 
 
-def _local_worker_pids(plan: LaunchPlan) -> dict[int, int]:
-    pids = {}
-    for rank in plan.ranks:
-        data = read_json(plan.stage_dir / "progress" / f"rank{rank.rank}.json") or {}
-        pid = data.get("pid")
-        if isinstance(pid, int) and pid_alive(pid) and str(plan.stage_dir) in cmdline(pid):
-            pids[rank.rank] = pid
-    return pids
-
-
 def _dump_stacks(plan: LaunchPlan) -> None:
     """Ask every live local rank for a faulthandler stack dump (it lands in the rank's log)."""
-    for pid in _local_worker_pids(plan).values():
+    for pid in stage_worker_pids(plan.stage_dir).values():
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:

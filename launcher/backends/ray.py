@@ -229,10 +229,7 @@ class RayBackend(Backend):
         return BackendStatus(done=False)
 
     def _poll_scheduling(self) -> None:
-        refs = list(self._probe_refs)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in ready:
-            rank = self._probe_refs.pop(ref)
+        for rank, ref in _take_ready(self._probe_refs):
             try:
                 self._probes[rank] = ray.get(ref)
             except RayError as exc:
@@ -297,10 +294,7 @@ class RayBackend(Backend):
         return env
 
     def _poll_runs(self) -> None:
-        refs = list(self._runs)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in ready:
-            rank = self._runs.pop(ref)
+        for rank, ref in _take_ready(self._runs):
             try:
                 self._reports[rank] = ray.get(ref)
             except RayActorError as exc:
@@ -315,12 +309,7 @@ class RayBackend(Backend):
             self._failure = f"rank(s) {bad} failed"
 
     def _pump_logs(self, final: bool = False) -> None:
-        if not self._drains:
-            return
-        refs = list(self._drains)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0 if final else 0)
-        for ref in ready:
-            rank = self._drains.pop(ref)
+        for rank, ref in _take_ready(self._drains, timeout_s=2.0 if final else 0):
             try:
                 lines = ray.get(ref)
             except RayError:
@@ -395,6 +384,15 @@ class RayBackend(Backend):
                     at=seen,
                 )
                 write_json_atomic(path, report)
+
+
+def _take_ready(pending: dict[Any, int], timeout_s: float = 0) -> list[tuple[int, Any]]:
+    """Remove from ``pending`` (object ref -> rank) the refs that are ready; return them as (rank, ref)."""
+    refs = list(pending)
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return [(pending.pop(ref), ref) for ref in ready]
 
 
 def _actor_exists(name: str) -> bool:

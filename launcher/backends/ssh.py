@@ -320,22 +320,8 @@ class _Lifeline:
         threading.Thread(target=run, daemon=True, name="gpulaunch-lifeline").start()
 
 
-def _stage_worker_pids(stage: Path) -> list[int]:
-    from launcher.procutil import cmdline, pid_alive
-
-    pids = []
-    for progress in (stage / "progress").glob("rank*.json"):
-        try:
-            pid = json.loads(progress.read_text()).get("pid")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid) and str(stage) in cmdline(pid):
-            pids.append(pid)
-    return pids
-
-
 def _teardown(proc: subprocess.Popen, stage: Path, grace_s: float) -> None:
-    from launcher.procutil import kill_now
+    from launcher.procutil import kill_now, stage_worker_pids
 
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
@@ -349,7 +335,7 @@ def _teardown(proc: subprocess.Popen, stage: Path, grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             pass
     # Ranks die with their agent (parent-death signal); any that did not are found by pid.
-    kill_now(_stage_worker_pids(stage))
+    kill_now(list(stage_worker_pids(stage).values()))
 
 
 def _read_line(fd: int) -> bytes:

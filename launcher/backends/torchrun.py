@@ -13,12 +13,11 @@ import shlex
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 from launcher.backends.base import Backend, BackendStatus, RankExit
 from launcher.errors import BackendError
 from launcher.plan import LaunchPlan, NodeLaunch
-from launcher.procutil import cmdline, kill_now, pid_alive, read_json
+from launcher.procutil import kill_now, stage_worker_pids
 
 
 class TorchrunBackend(Backend):
@@ -124,13 +123,7 @@ class TorchrunBackend(Backend):
     def _kill_stray_workers(self) -> None:
         # Belt and braces: workers also die with their agent (parent-death signal), but a rank
         # that outlived both is found by pid from its progress file and checked by its command line.
-        stage = str(self.plan.stage_dir)
-        pids = []
-        for progress in Path(self.plan.stage_dir, "progress").glob("rank*.json"):
-            pid = (read_json(progress) or {}).get("pid")
-            if isinstance(pid, int) and pid_alive(pid) and stage in cmdline(pid):
-                pids.append(pid)
-        kill_now(pids)
+        kill_now(list(stage_worker_pids(self.plan.stage_dir).values()))
 
     def collect(self) -> None:
         if any(n.target.ssh is not None for n in self.plan.nodes):  # reports back over ssh (issue 4)
