@@ -3,7 +3,10 @@
 Variants, run side by side and interleaved (the order rotates every repetition):
 
   torchrun          bare ``torchrun --standalone --nproc-per-node=2 benchmarks/bare_allreduce.py``
-  launch            ``launch benchmarks/jobs/allreduce.yaml --backend torchrun``
+  launch            ``launch benchmarks/jobs/allreduce.yaml --backend torchrun`` (ranks forked from
+                    a forkserver that has imported torch: the default ``start_method``)
+  launch_spawn      the same with ``--set start_method=spawn``: each rank a fresh interpreter, as
+                    under plain torchrun
   launch_ray        ``launch ... --backend ray`` (Ray started inside the launcher)
   launch_ray_cluster ``launch ... --backend ray`` on an already running local Ray cluster
                     (``ray start --head`` before the repetitions): the launcher connects to it
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, Callable[[Path], dict[str, Any]]] = {
         "torchrun": lambda work: run_torchrun(work, args.device),
         "launch": make_launch("torchrun", args.device),
+        "launch_spawn": make_launch("torchrun", args.device, extra_args=("--set", "start_method=spawn")),
     }
     for spec in args.variant:
         name, _, path = spec.partition("=")

@@ -1,8 +1,17 @@
 """``python -m launcher.agent ARGS`` is ``torchrun ARGS``: PyTorch's own parser and elastic agent.
 
-Two additions only: the agent dies with the launcher (a parent-death signal, so a SIGKILLed
-launcher leaves no agent and hence no worker behind), and when workers fail it prints one
-machine-readable line per failure (rank, exit code, signal, OOM) for the launcher's report.
+Three additions: the agent dies with the launcher (a parent-death signal, so a SIGKILLed
+launcher leaves no agent and hence no worker behind); when workers fail it prints one
+machine-readable line per failure (rank, exit code, signal, OOM) for the launcher's report; and
+with ``--start-method=forkserver`` and the ``-m launcher.worker WORKER_JSON`` entrypoint, it
+hands torchrun ``launcher.worker.forked_rank`` as a function entrypoint instead of a command, so
+that torchrun forks the ranks from a multiprocessing forkserver that has imported torch once.
+
+Why a forkserver and not the agent itself: torchrun's launcher API calls
+``torch.cuda.is_available()`` in the agent, and children forked after CUDA is initialised cannot
+use it. The server is a fresh interpreter started before the agent imports torch, so the two
+imports overlap; a rank forked from it starts with torch, torch.distributed and the launcher's
+runtime already imported, and with the server's default signal handlers.
 """
 
 from __future__ import annotations
@@ -11,11 +20,14 @@ import json
 import os
 import signal
 import sys
+import time
+from multiprocessing.context import ForkServerProcess
 from typing import Any
 
-from launcher.procutil import die_with_parent, fast_exit, oom_kill_count
+from launcher.procutil import die_with_parent, fast_exit, oom_kill_count, signal_name
 
 FAILURE_TAG = "gpulaunch-agent-failure: "
+FORKED_ENTRYPOINT = ("-m", "launcher.worker")
 
 
 class _LossyStream:
@@ -57,33 +69,31 @@ def main(argv: list[str] | None = None) -> int:
     # where the agent died before the request was made (see procutil.die_with_parent).
     os.environ["LAUNCHER_AGENT_PID"] = str(os.getpid())
     oom_before = oom_kill_count()
+    argv = sys.argv[1:] if argv is None else argv
+    forked_config = _forked_rank_config(argv)
+    if forked_config is not None:
+        _start_rank_server()  # before our own `import torch`: the server imports it meanwhile
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    config, entrypoint, entry_args = config_from_args(parse_args(argv))
+    args = parse_args(argv)
+    config, entrypoint, entry_args = config_from_args(args)
+    if forked_config is not None:
+        from launcher.worker import forked_rank
+
+        entrypoint, entry_args = forked_rank, [forked_config]
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
-        oom = (oom_kill_count() or 0) > (oom_before or 0)
-        # The agent stops the surviving workers with SIGTERM when one fails, and torch lists them
-        # as failures too (same timestamp): those are collateral when another rank failed otherwise.
-        stopped = {r for r, f in exc.failures.items() if f.exitcode == -signal.SIGTERM}
-        own_failures = len(stopped) < len(exc.failures)
-        for rank, failure in sorted(exc.failures.items()):
-            record = {
-                "rank": rank,
-                "local_rank": failure.local_rank,
-                "exitcode": failure.exitcode,
-                "signal": failure.signal_name() if failure.exitcode < 0 else None,
-                "pid": failure.pid,
-                "oom_suspected": oom and failure.exitcode == -signal.SIGKILL,
-                "timestamp": failure.timestamp,
-                "collateral": own_failures and rank in stopped,
-            }
-            print(FAILURE_TAG + json.dumps(record), flush=True)
+        # rank -> (local rank, exit code, pid, when); torch lists every failed process of a
+        # command entrypoint, but only the first it noticed of a function entrypoint's
+        exits = {rank: (f.local_rank, f.exitcode, f.pid, f.timestamp) for rank, f in exc.failures.items()}
+        if forked_config is not None:
+            exits = {**_RankProcess.exits(first_rank=int(args.node_rank) * config.nproc_per_node), **exits}
+        _report_failures(exits, oom=(oom_kill_count() or 0) > (oom_before or 0))
         return 1
     except SignalException as exc:
         # The launcher (or the launcher's death) stopped us: the elastic agent has already stopped
@@ -91,6 +101,64 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpulaunch-agent: stopped by {exc.sigval.name}; workers stopped", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     return 0
+
+
+def _report_failures(exits: dict[int, tuple[int, int, int, float]], oom: bool) -> None:
+    """One machine-readable line per failed rank, for the launcher's root-cause report."""
+    # The agent stops the surviving workers with SIGTERM when one fails, and torch lists them
+    # as failures too (same timestamp): those are collateral when another rank failed otherwise.
+    stopped = {rank for rank, (_, code, _, _) in exits.items() if code == -signal.SIGTERM}
+    own_failures = len(stopped) < len(exits)
+    for rank, (local_rank, code, pid, when) in sorted(exits.items()):
+        record = {
+            "rank": rank,
+            "local_rank": local_rank,
+            "exitcode": code,
+            "signal": signal_name(code) if code < 0 else None,
+            "pid": pid,
+            "oom_suspected": oom and code == -signal.SIGKILL,
+            "timestamp": when,
+            "collateral": own_failures and rank in stopped,
+        }
+        print(FAILURE_TAG + json.dumps(record), flush=True)
+
+
+class _RankProcess(ForkServerProcess):
+    """A rank forked from the forkserver that remembers itself, so that every failed rank's exit
+    status can be reported, not just the first one torch noticed."""
+
+    _started: list["_RankProcess"] = []
+
+    def start(self) -> None:
+        super().start()
+        _RankProcess._started.append(self)
+
+    @classmethod
+    def exits(cls, first_rank: int) -> dict[int, tuple[int, int, int, float]]:
+        # torch starts local ranks in order 0..nproc-1, and has joined them all by now
+        now = time.time()
+        return {
+            first_rank + local_rank: (local_rank, proc.exitcode, proc.pid, now)
+            for local_rank, proc in enumerate(cls._started)
+            if proc.exitcode not in (0, None)
+        }
+
+
+def _forked_rank_config(argv: list[str]) -> str | None:
+    """The worker.json path when the ranks are to be forked from a forkserver, else None."""
+    if "--start-method=forkserver" not in argv or len(argv) < 3 or tuple(argv[-3:-1]) != FORKED_ENTRYPOINT:
+        return None
+    return argv[-1]
+
+
+def _start_rank_server() -> None:
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")  # the one torch gets for start_method=forkserver
+    context.set_forkserver_preload(["launcher.rank_preload"])
+    context.Process = _RankProcess
+    forkserver.ensure_running()
 
 
 if __name__ == "__main__":

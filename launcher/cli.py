@@ -54,10 +54,14 @@ def cmd_run(argv: Sequence[str]) -> int:
         return submit_and_wait(job, address=args.address or job.spec.ray.address, out=args.out, overrides=args.overrides, quiet=args.quiet)
     if args.dry_run:
         return _print_dry_run(job, args)
+    from rich.console import Console
+
     from launcher.api import run_job
     from launcher.console import RunUI
 
-    result = run_job(job, backend=args.backend, out=args.out, cluster=args.cluster, ui=RunUI(quiet=args.quiet or args.json))
+    # with --json, stdout carries the JSON alone: the human summary goes to stderr
+    ui = RunUI(Console(stderr=True), quiet=True) if args.json else RunUI(quiet=args.quiet)
+    result = run_job(job, backend=args.backend, out=args.out, cluster=args.cluster, ui=ui)
     if args.json:
         print(json.dumps(result.data, indent=2, default=str))
     return EXIT_FOR_STATUS.get(result.status, EXIT_JOB_FAILED)

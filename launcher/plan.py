@@ -250,9 +250,11 @@ def plan_stage(
     )
     master = nodes[0].address
     launches, ranks = [], []
+    # only an entrypoint can be forked as a function; a script is run as __main__ of its own process
+    start_method = spec.start_method if spec.entrypoint else "spawn"
     for node_rank, target in enumerate(nodes):
-        env = _node_env(job, target, threads)
-        argv = _agent_argv(target.python, len(nodes), nproc, node_rank, master, master_port, stage_dir)
+        env = _node_env(job, target, threads, stage_dir)
+        argv = _agent_argv(target.python, len(nodes), nproc, node_rank, master, master_port, stage_dir, start_method)
         launches.append(NodeLaunch(node_rank, target, nproc, argv, env))
         for local_rank in range(nproc):
             rank = node_rank * nproc + local_rank
@@ -285,11 +287,14 @@ def plan_stage(
     )
 
 
-def _node_env(job: LoadedJob, target: NodeTarget, threads: int) -> dict[str, str]:
+def _node_env(job: LoadedJob, target: NodeTarget, threads: int, stage_dir: Path) -> dict[str, str]:
     env = {
         "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
         "LAUNCHER_HOST": target.name,
+        # every process of the stage carries it, forked ranks included (whose command line is
+        # their server's): `grep -l` over /proc/*/environ finds a run's processes
+        "GPULAUNCH_STAGE_DIR": str(stage_dir),
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"{target.name}:${{rank}}{LOG_PREFIX_SEPARATOR}",
     }
     if target.ifname:
@@ -300,10 +305,12 @@ def _node_env(job: LoadedJob, target: NodeTarget, threads: int) -> dict[str, str
 
 
 def _agent_argv(
-    python: str, nnodes: int, nproc: int, node_rank: int, master: str, port: int, stage_dir: Path
+    python: str, nnodes: int, nproc: int, node_rank: int, master: str, port: int, stage_dir: Path, start_method: str
 ) -> tuple[str, ...]:
     # launcher.agent is torchrun (same parser, same elastic agent) plus a parent-death signal and
     # a machine-readable failure file; static rendezvous on a port we chose, never the fixed 29500.
+    # With --start-method=forkserver the agent runs launcher.worker as a function in ranks forked
+    # from a forkserver (torchrun's own start methods for function entrypoints; launcher.agent).
     return (
         python,
         "-m",
@@ -316,6 +323,7 @@ def _agent_argv(
         f"--master-port={port}",
         "--max-restarts=0",
         "--monitor-interval=0.1",
+        f"--start-method={start_method}",
         f"--log-dir={stage_dir / 'torchelastic' / f'node{node_rank}'}",
         "--tee=3",
         "-m",

@@ -61,17 +61,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def process_start_ticks(pid: int | str = "self") -> int | None:
+    """When a process started, in clock ticks since boot: with the pid, the process's identity
+    (a pid can be reused; a pid and its start time cannot)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_start_time(pid: int | str = "self") -> float | None:
     """Wall-clock time at which a process started (Linux /proc), to time interpreter start-up."""
+    ticks = process_start_ticks(pid)
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        start_ticks = int(fields[19])
         boot = next(
             float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
         )
-        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError, StopIteration):
+    except (OSError, StopIteration):
         return None
+    return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def process_spawn_time(pid: int | str = "self") -> float | None:
@@ -138,22 +146,17 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def stage_worker_pids(stage_dir: str | Path) -> dict[int, int]:
     """Rank -> pid of the stage's workers still alive on this machine: read from their progress
-    beacons and checked against the command line (a reused pid does not name the stage)."""
+    beacons, each checked against the start time the beacon recorded (a reused pid has another)."""
     stage = Path(stage_dir)
     pids = {}
     for beacon in (stage / "progress").glob("rank*.json"):
-        pid = (read_json(beacon) or {}).get("pid")
-        if isinstance(pid, int) and pid != os.getpid() and pid_alive(pid) and str(stage) in cmdline(pid):
-            pids[int(beacon.stem[len("rank"):])] = pid
+        data = read_json(beacon) or {}
+        pid, started = data.get("pid"), data.get("pid_start")
+        if isinstance(pid, int) and pid != os.getpid() and started is not None and pid_alive(pid):
+            if process_start_ticks(pid) == started:
+                pids[int(beacon.stem[len("rank"):])] = pid
     return pids
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import faulthandler
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -112,6 +114,8 @@ class RankActor:
         self.job, self.rank = job, rank
         self.tee = _OutputTee()
         self.started = time.time()
+        # the launcher's stack dump on a hang (supervisor._dump_stacks), as in a torchrun rank
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     def probe(self, want_port: bool) -> dict[str, Any]:
         ip = ray.util.get_node_ip_address()

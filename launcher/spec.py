@@ -106,6 +106,11 @@ class JobSpec(_Frozen):
     env: EnvMap = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
     max_restarts: int = Field(0, ge=0, le=100)
+    # How the torchrun backend starts an entrypoint's ranks: "forkserver" forks each one from a
+    # server process that has imported torch once per node (sooner to the first step, one import
+    # instead of one per rank); "spawn" starts a fresh interpreter per rank, as plain torchrun
+    # does. A script job always gets a fresh interpreter (it expects to be __main__).
+    start_method: Literal["forkserver", "spawn"] = "forkserver"
     cluster: str | None = None
     ray: RaySettings = RaySettings()
     extends: str | None = None

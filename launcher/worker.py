@@ -1,7 +1,7 @@
 """The runtime inside every rank, shared by all backends.
 
-``python -m launcher.worker STAGE/worker.json`` is what torchrun starts; Ray actors call
-``run_rank`` directly. Either way a rank: records its start-up phases, initialises the process
+``python -m launcher.worker STAGE/worker.json`` is what torchrun starts (``forked_rank`` when
+ranks are forked from a forkserver); Ray actors call ``run_rank`` directly. Either way a rank: records its start-up phases, initialises the process
 group on its own device, runs the job's entrypoint (or a torchrun script, unchanged), turns any
 exception into a report with its traceback (no decorator needed in user code) and writes that
 report atomically. Heavy imports (torch, the job) happen after the phase clock has started.
@@ -25,7 +25,13 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Mapping, Sequence  # noqa: E402
 
 from launcher.plan import WorkerConfig  # noqa: E402
-from launcher.procutil import die_with_parent, fast_exit, process_spawn_time, write_json_atomic  # noqa: E402
+from launcher.procutil import (  # noqa: E402
+    die_with_parent,
+    fast_exit,
+    process_spawn_time,
+    process_start_ticks,
+    write_json_atomic,
+)  # noqa: E402
 
 REPORT_VERSION = 1
 
@@ -43,6 +49,7 @@ class ProgressBeacon:
         self.steps: Callable[[], int] = lambda: 0
         self._stop = threading.Event()
         self._interval = interval_s
+        self._identity = {"pid": os.getpid(), "pid_start": process_start_ticks()}  # see stage_worker_pids
         self._thread = threading.Thread(target=self._loop, name="gpulaunch-progress", daemon=True)
 
     def start(self) -> None:
@@ -51,7 +58,7 @@ class ProgressBeacon:
 
     def write(self) -> None:
         try:
-            write_json_atomic(self.path, {"pid": os.getpid(), "phase": self.phase, "steps": self.steps(), "t": time.time()})
+            write_json_atomic(self.path, {**self._identity, "phase": self.phase, "steps": self.steps(), "t": time.time()})
         except OSError:
             pass  # progress is best effort; the report is what counts
 
@@ -113,6 +120,7 @@ def run_rank(
     env: Mapping[str, str],
     *,
     spawned_at: float | None = None,
+    started_at: float | None = None,
     step_hooks: Sequence[Callable[[int, float], None]] = (),
 ) -> dict[str, Any]:
     """Run one rank to completion and return (and write) its report. Never raises for job errors.
@@ -124,7 +132,8 @@ def run_rank(
     world_size = int(env["WORLD_SIZE"])
     stage_dir = Path(config.stage_dir)
     host = env.get("LAUNCHER_HOST") or socket.gethostname()
-    phases: dict[str, float] = {"spawned": spawned_at or _T_STARTED, "started": _T_STARTED}
+    started = started_at or _T_STARTED
+    phases: dict[str, float] = {"spawned": spawned_at or started, "started": started}
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "rank": rank,
@@ -259,13 +268,38 @@ def _jsonable(value: Any) -> Any:
         return repr(value)
 
 
+def _enable_stack_dumps() -> None:
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's stack dump on a hang
+
+
+def forked_rank(worker_json: str) -> None:
+    """One rank forked from the node's forkserver (``start_method: forkserver``); torchrun calls
+    it with the rank's environment already set. Ends like ``main``: exit handlers run, and a
+    failed rank exits non-zero (its report is written either way)."""
+    started = time.time()
+    from launcher import rank_preload
+
+    server = rank_preload.SERVER_PID
+    # the server's death takes its ranks with it (it ends with the agent, which ends with us)
+    die_with_parent(signal.SIGKILL, server if server != os.getpid() else None)
+    _enable_stack_dumps()
+    config = WorkerConfig.from_json(Path(worker_json).read_text())
+    report = run_rank(config, os.environ, spawned_at=process_spawn_time(), started_at=started)
+    # A forked child leaves through os._exit: run the exit handlers a normal exit would run.
+    import atexit
+
+    atexit._run_exitfuncs()
+    if report["status"] != "ok":
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     agent = os.environ.get("LAUNCHER_AGENT_PID", "")
     # the agent's death takes its workers with it (and if it died before we asked, exit now)
     die_with_parent(signal.SIGKILL, int(agent) if agent.isdigit() else None)
-    faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's stack dump on a hang
+    _enable_stack_dumps()
     config = WorkerConfig.from_json(Path(argv[0]).read_text())
     report = run_rank(config, os.environ, spawned_at=process_spawn_time())
     code = 0 if report["status"] == "ok" else 1

@@ -40,16 +40,20 @@ def launch(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float
 
 
 def pids_mentioning(text: str) -> list[int]:
-    """Live processes whose command line mentions ``text`` (e.g. a run directory)."""
+    """Live processes whose command line or environment mentions ``text`` (e.g. a run directory).
+
+    The environment counts because ranks forked from a forkserver carry their server's command
+    line; every process of a stage has ``GPULAUNCH_STAGE_DIR`` in its environment."""
     found = []
+    needle = text.encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            mentioned = needle in (entry / "cmdline").read_bytes() or needle in (entry / "environ").read_bytes()
         except OSError:
             continue
-        if text in cmd and state != "Z":
+        if mentioned and state != "Z":
             found.append(int(entry.name))
     return found

@@ -39,6 +39,8 @@ class TorchrunBackend(Backend):
             else:
                 lines.append(f"[{node.host}] $ {node.torchrun_command()}")
         lines.append("(each node runs its command via `python -m launcher.agent`: torchrun with a parent-death signal)")
+        if "--start-method=forkserver" in plan.nodes[0].argv:
+            lines.append("(--start-method=forkserver: ranks are forked from a server that has imported torch once per node)")
         return lines
 
     def _command(self, node: NodeLaunch) -> tuple[list[str], dict[str, str]]:

@@ -92,8 +92,13 @@ def test_rank_that_raises_is_the_root_cause_and_stops_the_rest_fast(tmp_path, la
     _no_orphans(tmp_path / "runs")
 
 
-def test_rank_that_calls_os_exit_is_reported_with_its_exit_code(tmp_path, launched):
-    spec = write_spec(tmp_path, params={"fault": "exit", "rank": 1, "code": 3})
+# ranks forked from the forkserver (the default) and fresh interpreters report failures alike
+BOTH_START_METHODS = pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+
+
+@BOTH_START_METHODS
+def test_rank_that_calls_os_exit_is_reported_with_its_exit_code(tmp_path, launched, start_method):
+    spec = write_spec(tmp_path, params={"fault": "exit", "rank": 1, "code": 3}, start_method=start_method)
     run = launched(spec, tmp_path / "runs")
     rc = run.wait()
     t_exit = time.time()
@@ -111,8 +116,9 @@ def test_rank_that_calls_os_exit_is_reported_with_its_exit_code(tmp_path, launch
     _no_orphans(tmp_path / "runs")
 
 
-def test_rank_killed_by_sigkill_is_reported_by_signal_name(tmp_path, launched):
-    spec = write_spec(tmp_path, params={"fault": "sleep"})
+@BOTH_START_METHODS
+def test_rank_killed_by_sigkill_is_reported_by_signal_name(tmp_path, launched, start_method):
+    spec = write_spec(tmp_path, params={"fault": "sleep"}, start_method=start_method)
     run = launched(spec, tmp_path / "runs")
     pids = run.wait_running(2)
     killed_at = time.time()

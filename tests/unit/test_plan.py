@@ -108,3 +108,19 @@ def test_torchrun_command_is_plain_torchrun_with_the_same_arguments(tmp_path):
     cmd = shlex.split(plan.nodes[0].torchrun_command())
     assert cmd[0] == "torchrun" and cmd[1:] == list(plan.nodes[0].argv[3:])
     assert "29500" not in " ".join(cmd)
+
+
+def test_entrypoint_ranks_are_forked_from_a_forkserver_unless_the_spec_says_spawn(tmp_path):
+    (plan,) = plans(tmp_path, "", [node("laptop", cpus=2)])
+    assert "--start-method=forkserver" in plan.nodes[0].argv
+    assert plan.nodes[0].env["GPULAUNCH_STAGE_DIR"] == str(plan.stage_dir)
+    (plan,) = plans(tmp_path, "start_method: spawn\n", [node("laptop", cpus=2)])
+    assert "--start-method=spawn" in plan.nodes[0].argv
+
+
+def test_a_script_always_gets_a_fresh_interpreter(tmp_path):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\nscript: train.py\n")
+    (plan,) = make_plans(load_job(path), [node("laptop", cpus=2)], run_dir=tmp_path / "run", master_port=41234)
+    assert "--start-method=spawn" in plan.nodes[0].argv

@@ -1,0 +1,17 @@
+"""Imported once per node by the forkserver that ranks are forked from (``start_method:
+forkserver``): everything a rank imports before the job's own code, so no rank imports it again.
+
+Nothing here may touch CUDA: a process that has initialised CUDA cannot fork usable children.
+"""
+
+import os
+
+import torch  # noqa: F401
+import torch.distributed  # noqa: F401
+
+import launcher.context  # noqa: F401
+import launcher.metrics  # noqa: F401
+import launcher.worker  # noqa: F401
+
+# The ranks' parent: each rank asks to die with it (the server itself ends with its agent).
+SERVER_PID = os.getpid()
