@@ -4,6 +4,7 @@ forkserver``): everything a rank imports before the job's own code, so no rank i
 Nothing here may touch CUDA: a process that has initialised CUDA cannot fork usable children.
 """
 
+import atexit
 import os
 
 import torch  # noqa: F401
@@ -15,3 +16,14 @@ import launcher.worker  # noqa: F401
 
 # The ranks' parent: each rank asks to die with it (the server itself ends with its agent).
 SERVER_PID = os.getpid()
+
+
+def _exit_without_teardown() -> None:
+    # The server has nothing to clean up, and tearing down an interpreter that holds torch takes
+    # ~1 s; the launcher reads the node's output until the server, which shares it, is gone.
+    # (Its ranks inherit this handler: they run their exit handlers and must not stop here.)
+    if os.getpid() == SERVER_PID:
+        os._exit(0)
+
+
+atexit.register(_exit_without_teardown)
