@@ -1,10 +1,11 @@
 """The runtime inside every rank, shared by all backends.
 
 ``python -m launcher.worker STAGE/worker.json`` is what torchrun starts (``forked_rank`` when
-ranks are forked from a forkserver); Ray actors call ``run_rank`` directly. Either way a rank: records its start-up phases, initialises the process
-group on its own device, runs the job's entrypoint (or a torchrun script, unchanged), turns any
-exception into a report with its traceback (no decorator needed in user code) and writes that
-report atomically. Heavy imports (torch, the job) happen after the phase clock has started.
+ranks are forked from a forkserver); Ray actors call ``run_rank`` directly. Either way a rank:
+records its start-up phases, initialises the process group on its own device, runs the job's
+entrypoint (or a torchrun script, unchanged), turns any exception into a report with its
+traceback (no decorator needed in user code) and writes that report atomically. Heavy imports
+(torch, the job) happen after the phase clock has started.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from launcher.procutil import (  # noqa: E402
     process_spawn_time,
     process_start_ticks,
     write_json_atomic,
-)  # noqa: E402
+)
 
 REPORT_VERSION = 1
 

@@ -124,7 +124,7 @@ class TorchrunBackend(Backend):
 
     def _kill_stray_workers(self) -> None:
         # Belt and braces: workers also die with their agent (parent-death signal), but a rank
-        # that outlived both is found by pid from its progress file and checked by its command line.
+        # that outlived both is found by the pid and start time in its progress file.
         kill_now(list(stage_worker_pids(self.plan.stage_dir).values()))
 
     def collect(self) -> None:
