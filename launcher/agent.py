@@ -27,6 +27,9 @@ from typing import Any
 from launcher.procutil import die_with_parent, fast_exit, oom_kill_count, signal_name
 
 FAILURE_TAG = "gpulaunch-agent-failure: "
+# EADDRINUSE's errno: another process bound the rendezvous port between the launcher choosing it
+# and this agent binding it; the launcher then tries again on another port
+PORT_IN_USE_EXIT = 98
 FORKED_ENTRYPOINT = ("-m", "launcher.worker")
 
 
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if forked_config is not None:
         _start_rank_server()  # before our own `import torch`: the server imports it meanwhile
 
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -95,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             exits = {**_RankProcess.exits(first_rank=int(args.node_rank) * config.nproc_per_node), **exits}
         _report_failures(exits, oom=(oom_kill_count() or 0) > (oom_before or 0))
         return 1
+    except DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        print(f"gpulaunch-agent: rendezvous port {args.master_port} is already in use", file=sys.stderr, flush=True)
+        return PORT_IN_USE_EXIT
     except SignalException as exc:
         # The launcher (or the launcher's death) stopped us: the elastic agent has already stopped
         # its workers. One line, not a traceback: this is teardown, not the failure.

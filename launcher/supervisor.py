@@ -35,6 +35,9 @@ PEER_LOSS = re.compile(
     re.IGNORECASE,
 )
 STACK_DUMP_WAIT_S = 1.0
+# Tries on a freshly chosen rendezvous port when another process took the one we chose before
+# the agent bound it (not restarts: nothing of the job ran).
+PORT_RETRIES = 3
 LOG_TAIL_LINES = 20
 
 
@@ -62,6 +65,7 @@ class StageOutcome:
     restarts: int = 0
     reports: list[dict[str, Any]] = field(default_factory=list)
     failure: dict[str, Any] | None = None
+    rendezvous_port_in_use: bool = False
 
     @property
     def ok(self) -> bool:
@@ -80,25 +84,31 @@ def run_stage(
     on_progress: Progress | None = None,
 ) -> StageOutcome:
     """Run one stage to its end, restarting the group up to ``max_restarts`` times."""
-    attempt = 0
+    attempt = port_retries = 0
     started = time.time()
     while True:
-        plan = make_plan(attempt)
+        plan = make_plan(attempt)  # a freshly chosen rendezvous port every time
         outcome = _run_attempt(plan, backend_cls, stop=stop, echo=echo, on_progress=on_progress)
         outcome.started_at, outcome.restarts = started, attempt
+        if outcome.rendezvous_port_in_use and port_retries < PORT_RETRIES and not stop:
+            port_retries += 1
+            _archive_attempt(plan.stage_dir, f"port-retry{port_retries}")
+            if echo:
+                echo("launcher", f"rendezvous port {plan.master_port} was taken before the agent bound it; trying another")
+            continue
         if outcome.ok or outcome.status != "failed" or attempt >= plan.max_restarts or stop:
             return outcome
         attempt += 1
-        _archive_attempt(plan.stage_dir, attempt - 1)
+        _archive_attempt(plan.stage_dir, f"attempt{attempt - 1}")
         if echo:
             echo("launcher", f"restarting the group (restart {attempt} of {plan.max_restarts})")
 
 
-def _archive_attempt(stage_dir: Path, attempt: int) -> None:
+def _archive_attempt(stage_dir: Path, folder: str) -> None:
     for name in ("reports", "progress", "logs"):
         src = stage_dir / name
         if src.exists():
-            shutil.move(str(src), str(stage_dir / f"attempt{attempt}" / name))
+            shutil.move(str(src), str(stage_dir / folder / name))
 
 
 def _run_attempt(
@@ -159,6 +169,7 @@ def _run_attempt(
         outcome.status = fate = "failed"
     if fate != "succeeded":
         outcome.failure = explain_failure(plan, fate, reports, status, stop.reason)
+        outcome.rendezvous_port_in_use = bool(status.extra.get("rendezvous_port_in_use"))
     return outcome
 
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 
+from launcher.agent import PORT_IN_USE_EXIT
 from launcher.backends.base import Backend, BackendStatus, RankExit
 from launcher.errors import BackendError
 from launcher.plan import LaunchPlan, NodeLaunch
@@ -83,13 +84,25 @@ class TorchrunBackend(Backend):
         failed = [(node, code) for node, code in codes if code not in (None, 0)]
         if failed:
             # One failed agent ends the job: the supervisor stops the rest at once.
-            return BackendStatus(done=True, ok=False, rank_exits=self._rank_exits(), detail=self._detail(failed))
+            port_lost = any(code == PORT_IN_USE_EXIT for _, code in failed)
+            return BackendStatus(
+                done=True,
+                ok=False,
+                rank_exits=self._rank_exits(),
+                detail=self._detail(failed),
+                extra={"rendezvous_port_in_use": port_lost},
+            )
         if any(code is None for _, code in codes):
             return BackendStatus(done=False)
         return BackendStatus(done=True, ok=True)
 
     def _detail(self, failed: list[tuple[NodeLaunch, int]]) -> str:
-        return "; ".join(f"agent on {node.host} exited with {code}" for node, code in failed)
+        return "; ".join(
+            f"rendezvous port {self.plan.master_port} on {node.host} was already in use"
+            if code == PORT_IN_USE_EXIT
+            else f"agent on {node.host} exited with {code}"
+            for node, code in failed
+        )
 
     def _rank_exits(self) -> tuple[RankExit, ...]:
         return tuple(
