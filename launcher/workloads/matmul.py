@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from launcher.workloads._common import save_figure, wall_clock
+
 DEFAULTS = {"sizes": [256, 1024], "iters": 20, "warmup": 3, "dtype": "float32", "concurrent_size": None, "concurrent_iters": None}
 
 
@@ -56,8 +58,6 @@ def concurrency_params(params: Mapping[str, Any]) -> tuple[int, int]:
 
 def _concurrent_vs_sequential(ctx: Any, torch: Any, dist: Any, dtype: Any) -> None:
     """Two tasks on one device one after the other (rank 0), then on two devices at once (ranks 0, 1)."""
-    from launcher.workloads._common import wall_clock
-
     n, iters = concurrency_params(ctx.params)
     tasks = []
     for seed in (1, 2):  # the same two tasks wherever they run
@@ -208,11 +208,7 @@ def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(f"{result['job']} on {result['ranks'][0]['device'] if result['ranks'] else '?'}")
-    fig.tight_layout()
-    path = run_dir / "scaling.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path, *_plot_concurrency(result, run_dir)]
+    return [save_figure(fig, run_dir, "scaling.png"), *_plot_concurrency(result, run_dir)]
 
 
 def _plot_concurrency(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
@@ -236,8 +232,4 @@ def _plot_concurrency(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
     ax.grid(axis="y", alpha=0.3)
     ax.margins(y=0.15)
     fig.suptitle(f"{result['job']}: concurrent vs sequential")
-    fig.tight_layout()
-    path = run_dir / "concurrency.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, run_dir, "concurrency.png")]
