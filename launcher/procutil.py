@@ -70,30 +70,18 @@ def process_start_ticks(pid: int | str = "self") -> int | None:
         return None
 
 
-def process_start_time(pid: int | str = "self") -> float | None:
-    """Wall-clock time at which a process started (Linux /proc), to time interpreter start-up."""
-    ticks = process_start_ticks(pid)
-    try:
-        boot = next(
-            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
-        )
-    except (OSError, StopIteration):
-        return None
-    return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
 def process_spawn_time(pid: int | str = "self") -> float | None:
     """Wall-clock time at which a process started, to 10 ms (for the ``spawned`` phase stamp).
 
-    ``process_start_time`` adds the start ticks to /proc/stat's ``btime``, which is whole seconds:
-    stable (good as a pid's identity) but up to 1 s off the wall clock. Here the ticks are
-    converted with the boot-time clock read now instead.
+    Adding the start ticks to /proc/stat's ``btime`` would be up to 1 s off (``btime`` is whole
+    seconds); the ticks are converted with the boot-time clock read now instead.
     """
+    ticks = process_start_ticks(pid)
+    if ticks is None:
+        return None
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        started_since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_since_boot)
-    except (OSError, IndexError, ValueError, AttributeError):
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, AttributeError):
         return None
 
 

@@ -32,7 +32,7 @@ from launcher.backends.base import Backend, BackendStatus, RankExit
 from launcher.devices import GpuInfo, NodeInventory
 from launcher.errors import BackendError, LauncherError
 from launcher.plan import LaunchPlan, NodeTarget
-from launcher.procutil import descendants, kill_now, pid_alive, process_start_time, read_json, wait_gone, write_json_atomic
+from launcher.procutil import descendants, kill_now, pid_alive, process_start_ticks, read_json, wait_gone, write_json_atomic
 from launcher.ray_actor import RankActor
 from launcher.worker import failure_report
 
@@ -75,9 +75,9 @@ def job_metadata(spec: Any) -> dict[str, str]:
     }
 
 
-def _kill_leftovers(pids: dict[int, float | None]) -> None:
+def _kill_leftovers(pids: dict[int, int | None]) -> None:
     """SIGKILL, by pid, what the embedded Ray left behind (checked by start time against reuse)."""
-    alive = [p for p in wait_gone(list(pids), 10.0) if process_start_time(p) == pids[p]]
+    alive = [p for p in wait_gone(list(pids), 10.0) if process_start_ticks(p) == pids[p]]
     kill_now(alive)
     for pid in alive:  # our own children that died: reap them so no zombie remains
         with contextlib.suppress(ChildProcessError, OSError):
@@ -124,7 +124,7 @@ def ray_session(job: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        ours = {p: process_start_time(p) for p in descendants(os.getpid())} if embedded else {}
+        ours = {p: process_start_ticks(p) for p in descendants(os.getpid())} if embedded else {}
         ray.shutdown()
         if ours:
             _kill_leftovers(ours)
