@@ -81,6 +81,9 @@ class Scaling(_Frozen):
 class Timeouts(_Frozen):
     rendezvous_s: float = Field(60, gt=0, le=86_400)
     run_s: float = Field(3600, gt=0, le=30 * 86_400)
+    # How long a collective may wait for its slowest rank (a rank saving a checkpoint while the
+    # others wait in an all-reduce); None keeps torch's default for the process-group backend.
+    collective_s: float | None = Field(None, gt=0, le=30 * 86_400)
 
 
 class RaySettings(_Frozen):
