@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from pathlib import Path
 from typing import IO, Callable, Iterable, Mapping
 
@@ -48,16 +49,35 @@ class LogRouter:
         self.agent_failures: list[dict] = []
         self._files: dict[str, IO[str]] = {}
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[str, list[threading.Thread]] = {}
+        self._last_line: dict[str, float] = {}  # per source, when its last line arrived
 
     def follow(self, stream: IO[bytes], source_host: str) -> None:
         """Read ``stream`` to its end in a background thread."""
         thread = threading.Thread(target=self._pump, args=(stream, source_host), daemon=True, name=f"logs-{source_host}")
+        self._last_line[source_host] = time.monotonic()
         thread.start()
-        self._threads.append(thread)
+        self._threads.setdefault(source_host, []).append(thread)
+
+    def drain(self, source_host: str, idle_s: float) -> bool:
+        """Wait until everything ``source_host`` wrote has been routed (its streams ended).
+
+        An agent's last lines (its failure records) can still be in the pipe, behind the ranks'
+        output, when the agent has exited; a failure read before they are routed would lose the
+        rank that caused it. Gives up once nothing has arrived for ``idle_s``, because a stray
+        child may hold the pipe open. True when every stream of the host ended.
+        """
+        threads = self._threads.get(source_host, [])
+        while any(t.is_alive() for t in threads):
+            if time.monotonic() - self._last_line.get(source_host, 0.0) > idle_s:
+                return False
+            for thread in threads:
+                thread.join(0.05)
+        return True
 
     def _pump(self, stream: IO[bytes], source_host: str) -> None:
         for raw in iter(stream.readline, b""):
+            self._last_line[source_host] = time.monotonic()
             self.route(raw.decode("utf-8", errors="replace").rstrip("\n"), source_host)
         stream.close()
 
@@ -97,8 +117,9 @@ class LogRouter:
             handle.flush()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        for thread in self._threads:
-            thread.join(timeout_s)
+        for threads in self._threads.values():
+            for thread in threads:
+                thread.join(timeout_s)
         with self._lock:
             for handle in self._files.values():
                 handle.close()

@@ -21,6 +21,11 @@ from launcher.plan import LaunchPlan, NodeLaunch
 from launcher.procutil import kill_now, stage_worker_pids
 
 
+# How long a failed agent's pipe may stay silent before its remaining output is given up on
+# (a stray child can hold the pipe open)
+AGENT_DRAIN_IDLE_S = 2.0
+
+
 class TorchrunBackend(Backend):
     name = "torchrun"
 
@@ -83,7 +88,10 @@ class TorchrunBackend(Backend):
         codes = [(node, proc.poll()) for node, proc in self._agents]
         failed = [(node, code) for node, code in codes if code not in (None, 0)]
         if failed:
-            # One failed agent ends the job: the supervisor stops the rest at once.
+            # One failed agent ends the job: the supervisor stops the rest at once. Its failure
+            # records are its last lines; route them before reading which ranks failed.
+            for node, _ in failed:
+                self.logs.drain(node.host, idle_s=AGENT_DRAIN_IDLE_S)
             port_lost = any(code == PORT_IN_USE_EXIT for _, code in failed)
             return BackendStatus(
                 done=True,

@@ -1,0 +1,57 @@
+"""A failed agent's last lines name the rank that failed; they must be read before the failure is.
+
+The agent prints its failure records just before it exits. When the ranks were printing a lot,
+those records can still be in the pipe, behind thousands of log lines, when the launcher sees the
+agent's exit code. Here a real process stands in for the agent (a real agent cannot be made to
+print this much at will) and the console is slow, as a busy terminal is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from launcher.agent import FAILURE_TAG
+from launcher.api import local_node
+from launcher.backends.torchrun import TorchrunBackend
+from launcher.logstream import LogRouter
+from launcher.plan import plan_stage
+from launcher.spec import load_job
+from tests.conftest import REPO
+
+CHATTY_FAILED_AGENT = f"""\
+import json
+for i in range(20000):
+    print(f"{{HOST}}:0| line {{i}} " + "x" * 80)
+record = {{"rank": 1, "local_rank": 1, "exitcode": -9, "signal": "SIGKILL", "pid": 1,
+          "oom_suspected": False, "timestamp": 0, "collateral": False}}
+print({FAILURE_TAG!r} + json.dumps(record), flush=True)
+raise SystemExit(1)
+"""
+
+
+def test_the_failed_rank_is_named_even_when_its_record_arrives_after_the_exit(tmp_path):
+    job = load_job(REPO / "benchmarks" / "jobs" / "allreduce.yaml")
+    node = local_node()
+    plan = plan_stage(job, [node], 2, "cpu", run_dir=tmp_path, master_port=1, backend="torchrun")
+    script = CHATTY_FAILED_AGENT.replace("{HOST}", node.name)
+    fake = dataclasses.replace(plan.nodes[0], argv=(sys.executable, "-c", script))
+    plan = dataclasses.replace(plan, nodes=(fake,))
+    logs = LogRouter(tmp_path / "logs", echo=lambda source, text: time.sleep(0.00005))
+    backend = TorchrunBackend(plan, logs)
+    backend.start()
+    try:
+        deadline = time.monotonic() + 60
+        status = backend.poll()
+        while not status.done and time.monotonic() < deadline:
+            time.sleep(0.05)
+            status = backend.poll()
+    finally:
+        backend.stop()
+        logs.close()
+    assert status.done and not status.ok
+    assert [(e.rank, e.signal) for e in status.rank_exits] == [(1, "SIGKILL")], status
+    last = (tmp_path / "logs" / "rank0.log").read_text().splitlines()[-1]
+    assert last.startswith("line 19999 ")
+    assert "gpulaunch-agent-failure" not in (tmp_path / "logs" / "rank0.log").read_text()
