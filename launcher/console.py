@@ -88,6 +88,10 @@ def summary_renderables(result: Mapping[str, Any]) -> list[Any]:
         out.append(table)
     for line in summary.get("conclusions", ()):
         out.append(Text(f"• {line}"))
+    if summary.get("error"):
+        out.append(Text(f"the job's summary failed: {summary['error']}", style="yellow"))
+    if result.get("plot_error"):
+        out.append(Text(f"the job's plots failed: {result['plot_error']}", style="yellow"))
     if result.get("failure"):
         out.extend(failure_renderables(result["failure"]))
     return out

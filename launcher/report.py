@@ -20,6 +20,4 @@ def rerender(run_dir: Path) -> int:
     RunUI().finished(result, str(run_dir))
     for plot in result["plots"]:
         print(f"plot: {run_dir / plot}")
-    if result.get("plot_error"):
-        print(f"plots failed: {result['plot_error']}")
     return EXIT_OK

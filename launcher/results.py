@@ -143,7 +143,10 @@ def summarize(result: dict[str, Any], entrypoint: str | None, params: Mapping[st
     module = workload_module(entrypoint)
     hook = getattr(module, "summarize", None)
     if hook is not None:
-        summary.update(hook(stages, params))
+        try:
+            summary.update(hook(stages, params))
+        except Exception as exc:  # noqa: BLE001 - the workload's own code; the run's results stay
+            summary["error"] = f"{type(exc).__name__}: {exc}"
     return summary
 
 

@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    StringConstraints,
     ValidationError,
     model_validator,
 )
@@ -43,6 +44,12 @@ def _scalar_to_str(value: Any) -> Any:
     return value
 
 
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("expected text without NUL characters")
+    return value
+
+
 def _freeze(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(value))
 
@@ -50,8 +57,12 @@ def _freeze(value: Mapping[str, Any]) -> Mapping[str, Any]:
 FrozenMap = Annotated[
     dict[str, Any], AfterValidator(_freeze), PlainSerializer(lambda m: dict(m), return_type=dict)
 ]
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # what a process environment (and a shell) accepts as a name
 EnvMap = Annotated[
-    dict[str, Annotated[str, BeforeValidator(_scalar_to_str)]],
+    dict[
+        Annotated[str, StringConstraints(pattern=ENV_NAME)],
+        Annotated[str, BeforeValidator(_scalar_to_str), AfterValidator(_no_nul)],
+    ],
     AfterValidator(_freeze),
     PlainSerializer(lambda m: dict(m), return_type=dict),
 ]
@@ -214,7 +225,7 @@ def _validate(sourced: SourcedData) -> JobSpec:
 def _describe(loc: tuple[Any, ...], errs: list[Any], sourced: SourcedData) -> str:
     err = errs[0]
     where = sourced.locate(loc)
-    dotted = ".".join(str(p) for p in loc) or "(top level)"
+    dotted = ".".join(str(p) for p in loc if p != "[key]") or "(top level)"  # pydantic marks a bad key
     if err["type"] == "extra_forbidden":
         choices = _field_names(loc[:-1])
         hint = difflib.get_close_matches(str(loc[-1]), choices, n=1, cutoff=0.6)
@@ -229,6 +240,8 @@ def _describe(loc: tuple[Any, ...], errs: list[Any], sourced: SourcedData) -> st
 
 
 def _expectation(err: Any) -> str:
+    if err["type"] == "string_pattern_mismatch" and err["ctx"]["pattern"] == ENV_NAME:
+        return "expected an environment variable name (letters, digits and _, not starting with a digit)"
     if err["type"] == "string_pattern_mismatch":
         return f"expected text matching {err['ctx']['pattern']}"
     msg = str(err["msg"]).replace("Value error, ", "")

@@ -61,3 +61,13 @@ def test_a_failed_stage_makes_the_run_failed_and_keeps_its_failure(tmp_path):
                        entrypoint=None, params={}, started_at=t0)
     assert result["status"] == "failed" and result["failure"]["summary"] == "rank 1 ..."
     assert [s["status"] for s in result["stages"]] == ["succeeded", "failed"]
+
+
+def test_a_workload_summary_that_raises_is_noted_and_the_results_stay(tmp_path):
+    t0 = 1000.0
+    one = StageOutcome(_plan(tmp_path, 1), "succeeded", t0, t0 + 3, reports=[_report(0, 1, 10.0, t0)])
+    result = aggregate([one], job="j", run_id="r", backend="torchrun", spec={}, spec_hash="x",
+                       entrypoint="launcher.workloads.matmul:run", params={"sizes": 64, "iters": 10}, started_at=t0)
+    assert result["status"] == "succeeded" and len(result["ranks"]) == 1
+    assert result["summary"]["error"].startswith("TypeError: ")
+    assert result["summary"]["steps_per_rank"] == 10
