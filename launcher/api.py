@@ -38,15 +38,17 @@ class DryRun:
     commands: tuple[tuple[str, ...], ...]  # per plan, per node
 
 
-def local_node() -> NodeTarget:
-    return NodeTarget(name=socket.gethostname(), address="127.0.0.1", inventory=discover(), python=sys.executable)
+def local_node(visible_override: str | None = None) -> NodeTarget:
+    inventory = discover(visible_override=visible_override)
+    return NodeTarget(name=socket.gethostname(), address="127.0.0.1", inventory=inventory, python=sys.executable)
 
 
 def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
-    """This machine, or every host of a cluster file after its preflight checks."""
+    """This machine, or every host of a cluster file after its preflight checks. A
+    ``CUDA_VISIBLE_DEVICES`` in the job's env is what its ranks will see, so it is what counts."""
     cluster_file = cluster or job.spec.cluster
     if cluster_file is None:
-        return [local_node()]
+        return [local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))]
     from launcher.cluster import load_cluster, preflight
 
     path = Path(cluster_file) if cluster else job.base_dir / cluster_file
@@ -97,13 +99,21 @@ def new_run_id() -> str:
 
 @contextlib.contextmanager
 def _stop_on_signals(stop: StopRequest) -> Iterator[None]:
-    """Ctrl-C and SIGTERM ask the run loop to tear everything down, then the run reports."""
+    """Ctrl-C and SIGTERM ask the run loop to tear everything down, then the run reports.
+
+    A second one stops at once: teardown can wait on a rank that ignores SIGTERM or on a host
+    that does not answer. What the launcher started dies with it (parent-death signals, the SSH
+    lifelines), so nothing is left behind; only the final result.json is not written.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {}
 
     def handler(signum: int, _frame: Any) -> None:
+        if stop:
+            print(f"gpulaunch: {signal.Signals(signum).name} again: stopping at once", file=sys.stderr, flush=True)
+            raise KeyboardInterrupt
         stop.set(signal.Signals(signum).name)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -145,11 +155,15 @@ def run_job(
     (run_dir / "spec.yaml").write_text(yaml.safe_dump(effective, sort_keys=False))
     started = time.time()
     outcomes: list[StageOutcome] = []
+    cut_short: dict[str, str] | None = None
     with _stop_on_signals(stop), backend_cls.session(loaded):
         if nodes is None:  # a Ray cluster: plan on what it has, known once connected
             nodes = backend_cls.pool_nodes(loaded)
         device_type, sizes = stage_sizes(loaded, nodes)
         for size in sizes:
+            if stop:
+                cut_short = {"reason": "interrupted", "summary": f"stopped by {stop.reason} before the stage of world size {size}"}
+                break
             ui.stage_started(loaded.spec.name, size, device_type, name)
             try:
                 outcome = run_stage(
@@ -159,17 +173,31 @@ def run_job(
                     echo=ui.echo,
                     on_progress=ui.progress,
                 )
+            except LauncherError as exc:  # the stage could not start (a host, a port, an agent)
+                reason = "interrupted" if stop else "not_started"
+                cut_short = {"reason": reason, "summary": f"the stage of world size {size} could not start: {exc}"}
+                break
             finally:
                 ui.stage_finished()
             outcomes.append(outcome)
             if not outcome.ok:
                 break
-    return finish_run(loaded, name, run_id, run_dir, outcomes, started, ui)
+    return finish_run(loaded, name, run_id, run_dir, outcomes, started, ui, cut_short=cut_short)
 
 
 def finish_run(
-    loaded: LoadedJob, backend_name: str, run_id: str, run_dir: Path, outcomes: list[StageOutcome], started: float, ui: Any
+    loaded: LoadedJob,
+    backend_name: str,
+    run_id: str,
+    run_dir: Path,
+    outcomes: list[StageOutcome],
+    started: float,
+    ui: Any,
+    *,
+    cut_short: dict[str, str] | None = None,
 ) -> RunResult:
+    """Aggregate, plot, write result.json and show the summary. ``cut_short``: the failure when
+    a stage could not start, or a stop came between stages; the stages before it are kept."""
     from launcher.results import attach_plots, write_result
 
     t_agg = time.time()
@@ -187,6 +215,9 @@ def finish_run(
         started_at=started,
     )
     result["run_dir"] = str(run_dir)
+    if cut_short is not None:
+        result["status"] = "interrupted" if cut_short["reason"] == "interrupted" else "failed"
+        result["failure"] = dict(cut_short)
     plots = attach_plots(result, run_dir, loaded.spec.entrypoint)
     result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
     write_result(run_dir, result)

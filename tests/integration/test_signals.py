@@ -55,3 +55,19 @@ def test_sigkill_of_the_launcher_leaves_no_agent_and_no_worker(sleeper):
     left, waited = wait_no_pids(str(sleeper.out), ORPHAN_BOUND_S)
     record("SIGKILL to launcher -> last worker gone", waited)
     assert left == [], f"orphans {ORPHAN_BOUND_S}s after the launcher was SIGKILLed:\n{describe(left)}"
+
+
+def test_a_second_signal_stops_at_once():
+    """The first Ctrl-C asks for an orderly teardown; a second one (teardown waiting on a host
+    that does not answer) ends the launcher at once. What it started dies with it, as after the
+    SIGKILL above."""
+    from launcher.api import _stop_on_signals
+    from launcher.supervisor import StopRequest
+
+    stop = StopRequest()
+    with pytest.raises(KeyboardInterrupt), _stop_on_signals(stop):
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop and stop.reason == "SIGINT"  # the first: teardown requested, nothing raised
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)  # the handler runs at the next bytecode boundary
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
