@@ -229,14 +229,24 @@ def _public(version: str | None) -> str | None:
     return version.split("+", 1)[0] if version else version
 
 
-def check_host(host: HostConfig, *, torch_version: str | None, first: bool, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> HostReport:
-    """One SSH round trip: the remote preflight prints one JSON line; judge it here."""
+def check_host(
+    host: HostConfig,
+    *,
+    torch_version: str | None,
+    first: bool,
+    timeout_s: float = PREFLIGHT_TIMEOUT_S,
+    visible_devices: str | None = None,
+) -> HostReport:
+    """One SSH round trip: the remote preflight prints one JSON line; judge it here.
+    ``visible_devices``: the job's own ``CUDA_VISIBLE_DEVICES``, applied to the host's GPUs."""
     from launcher.backends.ssh import SshError, run_remote_module
 
     t0 = time.monotonic()
     args = ["preflight"]
     if host.ifname:
         args += ["--ifname", host.ifname]
+    if visible_devices is not None:
+        args += ["--visible-devices", visible_devices]
     if first:
         args += ["--bind", host.address]
     try:
@@ -272,11 +282,14 @@ def check_host(host: HostConfig, *, torch_version: str | None, first: bool, time
 def preflight(cluster: ClusterConfig, job: Any = None, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> list[NodeTarget]:
     """Check every host in parallel; return them as NodeTargets (first host: the rendezvous)."""
     torch_version = local_torch_version()
+    visible = job.spec.env.get("CUDA_VISIBLE_DEVICES") if job is not None else None
     hosts = cluster.hosts
+
+    def check(index: int, host: HostConfig) -> HostReport:
+        return check_host(host, torch_version=torch_version, first=index == 0, timeout_s=timeout_s, visible_devices=visible)
+
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        reports = list(
-            pool.map(lambda ih: check_host(ih[1], torch_version=torch_version, first=ih[0] == 0, timeout_s=timeout_s), enumerate(hosts))
-        )
+        reports = list(pool.map(check, range(len(hosts)), hosts))
     problems = [p for r in reports for p in r.problems]
     if problems:
         where = f"preflight ({cluster.source}): nothing was started"

@@ -31,7 +31,10 @@ def devices_table(inv: NodeInventory, cpu_workers: int) -> list[Any]:
         for g in inv.gpus:
             used = "?" if g.memory_used_mib is None else str(g.memory_used_mib)
             util = "?" if g.utilization_pct is None else f"{g.utilization_pct}%"
-            shown = f"{g.index}" if g.index == g.physical_index else f"{g.index} (phys {g.physical_index})"
+            if g.physical_index < 0:
+                shown = f"{g.index} (MIG)"
+            else:
+                shown = f"{g.index}" if g.index == g.physical_index else f"{g.index} (phys {g.physical_index})"
             table.add_row(shown, g.name, f"{used} / {g.memory_total_mib}", util, g.uuid)
         out.append(table)
     else:

@@ -100,6 +100,8 @@ def apply_visible_devices(gpus: list[GpuInfo], visible: str | None) -> list[GpuI
     """Keep and renumber the GPUs that ``CUDA_VISIBLE_DEVICES`` exposes, as CUDA does.
 
     Entries are indices or (prefixes of) UUIDs; CUDA stops at the first entry it cannot match.
+    A MIG device (``MIG-<uuid>``) is not in nvidia-smi's GPU list: it is kept as a GPU whose
+    details are unknown, so that it is planned on rather than silently replaced by the CPU.
     """
     if visible is None:
         return gpus
@@ -108,7 +110,9 @@ def apply_visible_devices(gpus: list[GpuInfo], visible: str | None) -> list[GpuI
         if not entry:
             break
         match = None
-        if entry.lstrip("-").isdigit():
+        if entry.startswith("MIG-"):
+            match = GpuInfo(-1, -1, "MIG device", 0, None, None, entry)
+        elif entry.lstrip("-").isdigit():
             match = next((g for g in gpus if g.physical_index == int(entry)), None)
         else:
             match = next((g for g in gpus if g.uuid.startswith(entry) or g.uuid == f"GPU-{entry}"), None)
@@ -145,10 +149,15 @@ def discover(
     query: Callable[[], str | None] = run_nvidia_smi,
     env: dict[str, str] | None = None,
     source: str = "nvidia-smi",
+    visible_override: str | None = None,
 ) -> NodeInventory:
-    """This node's inventory. ``query`` returns nvidia-smi CSV; tests pass recorded output."""
+    """This node's inventory. ``query`` returns nvidia-smi CSV; tests pass recorded output.
+
+    ``visible_override``: a ``CUDA_VISIBLE_DEVICES`` the job's own env sets for its processes;
+    it replaces this process's, as it will for them.
+    """
     env = dict(os.environ) if env is None else env
-    visible = env.get("CUDA_VISIBLE_DEVICES")
+    visible = visible_override if visible_override is not None else env.get("CUDA_VISIBLE_DEVICES")
     notes: list[str] = []
     raw = query()
     gpus: list[GpuInfo] = []
@@ -162,7 +171,10 @@ def discover(
             source = "none"
             notes.append(f"could not read nvidia-smi output: {exc}")
         if visible is not None:
-            notes.append(f"CUDA_VISIBLE_DEVICES={visible!r} exposes {len(gpus)} GPU(s)")
+            origin = "the job's env: " if visible_override is not None else ""
+            notes.append(f"{origin}CUDA_VISIBLE_DEVICES={visible!r} exposes {len(gpus)} GPU(s)")
+        if any(g.physical_index < 0 for g in gpus):
+            notes.append("MIG devices are counted from CUDA_VISIBLE_DEVICES; their details are not queried")
     return NodeInventory(
         hostname=socket.gethostname(),
         cpu_count=usable_cpu_count(),

@@ -111,7 +111,10 @@ def run_remote_module(host: Any, args: Sequence[str], *, timeout_s: float, stdin
     """Run ``python -m launcher.backends.ssh ARGS`` on ``host``; return its JSON answer."""
     argv = remote_module_argv(host, args)
     try:
-        done = subprocess.run(argv, input=stdin or b"", capture_output=True, timeout=timeout_s, check=False)
+        # its own session: a Ctrl-C at the terminal is the launcher's to handle, not this helper's
+        done = subprocess.run(
+            argv, input=stdin or b"", capture_output=True, timeout=timeout_s, check=False, start_new_session=True
+        )
     except subprocess.TimeoutExpired:
         raise SshError(f"no answer over SSH within {timeout_s:g}s ({host.address}:{host.port})") from None
     except OSError as exc:
@@ -252,7 +255,7 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     except OSError:
         interfaces = []
     data: dict[str, Any] = {
-        "inventory": json.loads(discover().to_json()),
+        "inventory": json.loads(discover(visible_override=args.visible_devices).to_json()),
         "torch": torch_version,
         "python": platform.python_version(),
         "interfaces": interfaces,
@@ -384,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("preflight")
     p.add_argument("--ifname")
     p.add_argument("--bind")
+    p.add_argument("--visible-devices")
     p = sub.add_parser("free-port")
     p.add_argument("--bind")
     p = sub.add_parser("prepare")

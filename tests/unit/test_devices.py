@@ -85,3 +85,32 @@ def test_d2l_helpers_fall_back_to_cpu_without_gpu():
     assert num_gpus() == 0
     assert try_gpu(0) == cpu() == torch.device("cpu")
     assert try_all_gpus() == [torch.device("cpu")]
+
+
+def test_the_jobs_own_cuda_visible_devices_replaces_the_launchers():
+    inv = discover(query=recorded("nvidia_smi_h100x4.csv"), env={"CUDA_VISIBLE_DEVICES": "0,1,2"}, visible_override="3,1")
+    assert [g.physical_index for g in inv.gpus] == [3, 1] and [g.index for g in inv.gpus] == [0, 1]
+    assert inv.cuda_visible_devices == "3,1"
+    assert any(n.startswith("the job's env: CUDA_VISIBLE_DEVICES='3,1'") for n in inv.notes)
+
+
+def test_mig_devices_are_counted_not_dropped_to_cpu():
+    visible = "MIG-4f5e6d7c-1111-2222-3333-444455556666,MIG-4f5e6d7c-1111-2222-3333-777788889999"
+    inv = discover(query=recorded("nvidia_smi_a100_mig_na.csv"), env={"CUDA_VISIBLE_DEVICES": visible})
+    assert inv.gpu_count == 2 and [g.index for g in inv.gpus] == [0, 1]
+    assert [g.uuid for g in inv.gpus] == visible.split(",")
+    assert any("MIG devices" in n for n in inv.notes)
+
+
+def test_a_plan_counts_the_gpus_the_jobs_env_leaves_visible(tmp_path, monkeypatch):
+    import functools
+
+    import launcher.api
+    from launcher.api import dry_run
+    from launcher.spec import load_job
+
+    monkeypatch.setattr(launcher.api, "discover", functools.partial(discover, query=recorded("nvidia_smi_h100x4.csv"), env={}))
+    spec = tmp_path / "j.yaml"
+    spec.write_text("name: j\nentrypoint: launcher.workloads.matmul:run\nenv: {CUDA_VISIBLE_DEVICES: '2,3'}\n")
+    (plan,) = dry_run(load_job(spec)).plans
+    assert plan.world_size == 2 and [r.device for r in plan.ranks] == ["cuda:0", "cuda:1"]
