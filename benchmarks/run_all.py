@@ -28,10 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true")
     mode.add_argument("--full", action="store_true")
-    p.add_argument("--out-dir", default=None, help=f"where the JSON files go (default {RESULTS})")
+    p.add_argument("--out-dir", default=None, help=f"where the JSON files go (default {RESULTS}; --smoke: its smoke/ folder)")
     p.add_argument("--only", action="append", default=[], choices=SCRIPTS)
     args = p.parse_args(argv)
-    out_dir = Path(args.out_dir) if args.out_dir else RESULTS
+    # a smoke run's figures mean nothing: keep them out of the published results
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS / "smoke" if args.smoke else RESULTS
     flags = ["--smoke"] if args.smoke else ["--full"] if args.full else []
     import importlib
 

@@ -71,6 +71,22 @@ def _rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
     return remote_free_port(first)
 
 
+def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None = None) -> str:
+    """What ``launch validate`` can check without contacting any host: the backend, the cluster
+    file, and on this machine whether the plan fits. Returns what would run; raises as launch would."""
+    name = _backend_name(job, backend)
+    if backends.get_backend(name).schedules_onto_cluster() or name == "ray":
+        return f"{name}: planned on the Ray cluster when it runs"
+    cluster_file = cluster or job.spec.cluster
+    if cluster_file is not None:
+        from launcher.cluster import load_cluster
+
+        config = load_cluster(Path(cluster_file) if cluster else job.base_dir / cluster_file)
+        return f"{name}: {len(config.hosts)} host(s) in {cluster_file}, checked over SSH when it runs"
+    device_type, sizes = stage_sizes(job, resolve_nodes(job, None))
+    return f"{name}: world sizes {sizes} on {device_type} here"
+
+
 def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
     name = _backend_name(job, backend)
     nodes = resolve_nodes(job, cluster)
@@ -149,10 +165,16 @@ def run_job(
     stop = stop or StopRequest()
     run_id = new_run_id()
     run_dir = Path(out).resolve() / loaded.spec.name / run_id
-    run_dir.mkdir(parents=True, exist_ok=False)
     effective = loaded.spec.model_dump(mode="json")
     effective["env"] = mask_env(effective["env"])
-    (run_dir / "spec.yaml").write_text(yaml.safe_dump(effective, sort_keys=False))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        (run_dir / "spec.yaml").write_text(yaml.safe_dump(effective, sort_keys=False))
+    except OSError as exc:
+        raise LauncherError(
+            f"--out {out}: cannot create the run directory {run_dir}: {exc.strerror or exc}; expected a writable directory",
+            exit_code=EXIT_BAD_INPUT,
+        ) from None
     started = time.time()
     outcomes: list[StageOutcome] = []
     cut_short: dict[str, str] | None = None

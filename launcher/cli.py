@@ -111,18 +111,19 @@ def cmd_validate(argv: Sequence[str]) -> int:
     p.add_argument("jobs", nargs="+")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    from launcher.api import check_job
     from launcher.spec import load_job
 
     bad = 0
     for path in args.jobs:
         try:
             job = load_job(path, args.overrides)
+            planned = check_job(job)
         except LauncherError as exc:
             bad += 1
             print(str(exc), file=sys.stderr)
             continue
-        sizes = job.spec.world_sizes or ("auto",)
-        print(f"ok  {path}: {job.spec.name} ({job.spec.backend}, world sizes {list(sizes)})")
+        print(f"ok  {path}: {job.spec.name} ({planned})")
     return EXIT_BAD_INPUT if bad else EXIT_OK
 
 

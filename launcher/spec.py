@@ -23,6 +23,8 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    StrictFloat,
+    StrictInt,
     StringConstraints,
     ValidationError,
     model_validator,
@@ -73,14 +75,14 @@ class _Frozen(BaseModel):
 
 
 class Resources(_Frozen):
-    nodes: int = Field(1, ge=1, le=4096)
-    gpus_per_node: Literal["auto"] | Annotated[int, Field(ge=0, le=1024)] = "auto"
-    cpu_workers: Literal["auto"] | Annotated[int, Field(ge=1, le=1024)] = 2
+    nodes: StrictInt = Field(1, ge=1, le=4096)
+    gpus_per_node: Literal["auto"] | Annotated[StrictInt, Field(ge=0, le=1024)] = "auto"
+    cpu_workers: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=1024)] = 2
     device: Literal["auto", "cuda", "cpu"] = "auto"
 
 
 class Scaling(_Frozen):
-    workers: tuple[Annotated[int, Field(ge=1, le=65536)], ...] = Field(min_length=1, max_length=64)
+    workers: tuple[Annotated[StrictInt, Field(ge=1, le=65536)], ...] = Field(min_length=1, max_length=64)
 
     @model_validator(mode="after")
     def _distinct(self) -> "Scaling":
@@ -90,11 +92,11 @@ class Scaling(_Frozen):
 
 
 class Timeouts(_Frozen):
-    rendezvous_s: float = Field(60, gt=0, le=86_400)
-    run_s: float = Field(3600, gt=0, le=30 * 86_400)
+    rendezvous_s: StrictFloat = Field(60, gt=0, le=86_400)
+    run_s: StrictFloat = Field(3600, gt=0, le=30 * 86_400)
     # How long a collective may wait for its slowest rank (a rank saving a checkpoint while the
     # others wait in an all-reduce); None keeps torch's default for the process-group backend.
-    collective_s: float | None = Field(None, gt=0, le=30 * 86_400)
+    collective_s: StrictFloat | None = Field(None, gt=0, le=30 * 86_400)
 
 
 class RaySettings(_Frozen):
@@ -119,7 +121,7 @@ class JobSpec(_Frozen):
     scaling: Scaling | None = None
     env: EnvMap = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
-    max_restarts: int = Field(0, ge=0, le=100)
+    max_restarts: StrictInt = Field(0, ge=0, le=100)
     # How the torchrun backend starts an entrypoint's ranks: "forkserver" forks each one from a
     # server process that has imported torch once per node (sooner to the first step, one import
     # instead of one per rank); "spawn" starts a fresh interpreter per rank, as plain torchrun
@@ -162,21 +164,29 @@ class LoadedJob(BaseModel):
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedJob:
     """Load, merge (``extends``, ``--set``) and validate a job spec; raise SpecError with every problem."""
     path = Path(path)
-    sourced = load_yaml(path, what="job spec")
-    _require_mapping(sourced)
-    extends = sourced.data.get("extends")
-    if isinstance(extends, str):
-        base_file = (path.parent / extends).resolve()
-        if not base_file.exists():
-            raise SpecError([f"{sourced.locate(('extends',))}: extends: no such config file {base_file}"])
-        base = load_yaml(base_file, what="config")
-        _require_mapping(base)
-        sourced = deep_merge(base, sourced)
+    sourced = _with_bases(load_yaml(path, what="job spec"), path, chain=(path.resolve(),))
     sourced = _apply_overrides(sourced, overrides)
     spec = _validate(sourced)
     loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent)
     check_references(loaded)
     return loaded
+
+
+def _with_bases(sourced: SourcedData, path: Path, chain: tuple[Path, ...]) -> SourcedData:
+    """``sourced`` merged over what it ``extends`` (which may extend another file in turn)."""
+    _require_mapping(sourced)
+    extends = sourced.data.get("extends")
+    if not isinstance(extends, str):
+        return sourced  # absent, or a wrong type that validation reports
+    base_file = (path.parent / extends).resolve()
+    where = sourced.locate(("extends",))
+    if base_file in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, base_file))
+        raise SpecError([f"{where}: extends: files extend each other in a cycle ({cycle})"])
+    if not base_file.is_file():
+        raise SpecError([f"{where}: extends: no such config file {base_file}"])
+    base = _with_bases(load_yaml(base_file, what="config"), base_file, (*chain, base_file))
+    return deep_merge(base, sourced)
 
 
 def _require_mapping(sourced: SourcedData) -> None:
@@ -230,20 +240,31 @@ def _describe(loc: tuple[Any, ...], errs: list[Any], sourced: SourcedData) -> st
         choices = _field_names(loc[:-1])
         hint = difflib.get_close_matches(str(loc[-1]), choices, n=1, cutoff=0.6)
         tail = f", did you mean '{hint[0]}'?" if hint else f" (expected one of: {', '.join(sorted(choices))})"
-        return f"{where}: {dotted}: unknown key{tail}"
+        return f"{_field(where, dotted)}: unknown key{tail}"
     if err["type"] == "missing":
-        return f"{where}: {dotted}: required field is missing"
+        return f"{_field(where, dotted)}: required field is missing"
     msg = " or ".join(_expectation(e) for e in errs).replace(" or expected ", " or ")
     got = err.get("input")
     shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-    return f"{where}: {dotted}: {msg}{shown}"
+    return f"{_field(where, dotted)}: {msg}{shown}"
+
+
+def _field(where: Any, dotted: str) -> str:
+    """``FILE:LINE: field`` or ``--set field`` (the flag already names the field)."""
+    return str(where) if str(where) == f"--set {dotted}" else f"{where}: {dotted}"
 
 
 def _expectation(err: Any) -> str:
     if err["type"] == "string_pattern_mismatch" and err["ctx"]["pattern"] == ENV_NAME:
         return "expected an environment variable name (letters, digits and _, not starting with a digit)"
+    if err["type"] == "string_pattern_mismatch" and err["ctx"]["pattern"] == ENTRYPOINT.pattern:
+        return "expected module:function, e.g. launcher.workloads.matmul:run"
     if err["type"] == "string_pattern_mismatch":
         return f"expected text matching {err['ctx']['pattern']}"
+    if err["type"] == "too_short":
+        return f"expected at least {err['ctx']['min_length']} item(s)"
+    if err["type"] == "model_type":
+        return "expected a mapping of fields"
     msg = str(err["msg"]).replace("Value error, ", "")
     return re.sub(r"^Input should be ", "expected ", msg)
 
@@ -285,6 +306,31 @@ def check_references(loaded: LoadedJob) -> None:
             found = None
         if found is None:
             raise SpecError([f"{where}: entrypoint: module '{module}' not found on the Python path"])
+        function = spec.entrypoint.partition(":")[2]
+        if found.origin and found.origin.endswith(".py") and not _defines(Path(found.origin), function):
+            raise SpecError([f"{where}: entrypoint: module '{module}' ({found.origin}) has no function '{function}'"])
+
+
+def _defines(source: Path, name: str) -> bool:
+    """Whether a module's source binds ``name`` at top level (read, never imported: importing a
+    user's module here could import torch or run its code). Unsure means yes."""
+    import ast
+
+    try:
+        tree = ast.parse(source.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return True  # the rank's import reports it
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == "*" or (alias.asname or alias.name.split(".")[0]) == name for alias in node.names):
+                return True
+        elif not isinstance(node, (ast.Expr, ast.Pass)) and any(
+            isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(node)
+        ):
+            return True  # assigned, or bound inside an if/try at top level
+    return False
 
 
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -58,8 +58,9 @@ CASES = [
     Case("name-too-long", f"name: {'a' * 65}\nentrypoint: launcher.workloads.matmul:run\n", ("name:", "at most 64"), line=1),
     Case("entrypoint-and-script", BASE + "script: train.py\n", ("exactly one of 'entrypoint'",)),
     Case("neither-entrypoint-nor-script", "name: bad\n", ("exactly one of 'entrypoint'",)),
-    Case("entrypoint-no-function", "name: bad\nentrypoint: launcher.workloads.matmul\n", ("entrypoint: expected text matching",), line=2),
-    Case("entrypoint-shell-injection", "name: bad\nentrypoint: 'os:system; rm -rf /'\n", ("entrypoint: expected text matching",), line=2),
+    Case("entrypoint-no-function", "name: bad\nentrypoint: launcher.workloads.matmul\n", ("entrypoint: expected module:function",), line=2),
+    Case("entrypoint-function-missing", "name: bad\nentrypoint: launcher.workloads.matmul:nope\n", ("entrypoint: module 'launcher.workloads.matmul'", "has no function 'nope'")),
+    Case("entrypoint-shell-injection", "name: bad\nentrypoint: 'os:system; rm -rf /'\n", ("entrypoint: expected module:function",), line=2),
     Case("args-without-script", BASE + "args: [--lr, 1]\n", ("'args' is for 'script' mode",)),
     Case("params-a-list", BASE + "params: [1, 2]\n", ("params: expected a valid dictionary",), line=3),
     Case("backend-unknown", BASE + "backend: slurm\n", ("backend: expected 'torchrun' or 'ray'", "slurm"), line=3),
@@ -107,9 +108,11 @@ CASES = [
     # --- flags --------------------------------------------------------------------------------------
     Case("set-without-equals", BASE, ("--set resources.cpu_workers: expected key.path=value",), argv=("--set", "resources.cpu_workers")),
     Case("set-bad-key", BASE, ("--set", "expected key.path=value"), argv=("--set", "a..b=1")),
-    Case("set-unknown-field", BASE, ("--set resources.gpus: resources.gpus: unknown key",), argv=("--set", "resources.gpus=2")),
-    Case("set-wrong-type", BASE, ("--set resources.cpu_workers: resources.cpu_workers:", "abc"), argv=("--set", "resources.cpu_workers=abc")),
-    Case("set-negative", BASE, ("--set max_restarts: max_restarts: expected greater than or equal to 0",), argv=("--set", "max_restarts=-3")),
+    Case("set-unknown-field", BASE, ("--set resources.gpus: unknown key",), argv=("--set", "resources.gpus=2")),
+    Case("set-wrong-type", BASE, ("--set resources.cpu_workers: expected", "abc"), argv=("--set", "resources.cpu_workers=abc")),
+    Case("set-boolean-for-a-number", BASE, ("--set timeouts.run_s: expected a valid number (got True)",), argv=("--set", "timeouts.run_s=true")),
+    Case("boolean-for-a-count", BASE + "resources: {cpu_workers: yes}\n", ("resources.cpu_workers: expected 'auto' or a valid integer (got True)",), line=3),
+    Case("set-negative", BASE, ("--set max_restarts: expected greater than or equal to 0",), argv=("--set", "max_restarts=-3")),
     Case("backend-flag-unknown", BASE, ("--backend: invalid choice: 'slurm'",), argv=("--backend", "slurm")),
     Case("unknown-flag", BASE, ("unrecognized arguments: --frobnicate",), argv=("--frobnicate",)),
     Case("no-job-given", None, ("the following arguments are required: job",), kind="nofile"),
@@ -195,3 +198,29 @@ def test_as_a_real_process_bad_input_exits_2_without_traceback(content, tmp_path
     lines = done.stderr.strip().splitlines()
     assert lines and all(line.startswith(f"error: {spec}") for line in lines), lines
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_out_that_cannot_hold_a_run_directory_exits_2(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    children = _child_pids()
+    rc = main([str(REPO / "jobs" / "matmul_scaling.yaml"), "--out", str(blocker)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: --out {blocker}: cannot create the run directory") and "Not a directory" in err[0]
+    assert _child_pids() <= children
+
+
+@pytest.mark.parametrize(
+    "override, expect",
+    [
+        ("scaling.workers=[1,64]", "scaling.workers: world size 64 requested"),
+        ("resources.nodes=2", "several nodes need a cluster file"),
+        ("cluster=no-such-cluster.yaml", "no such cluster file"),
+    ],
+    ids=["world-too-big", "nodes-without-cluster", "cluster-file-missing"],
+)
+def test_validate_rejects_what_launch_would(override, expect, capsys):
+    rc = main(["validate", str(REPO / "jobs" / "matmul_scaling.yaml"), "--set", override])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and expect in err[0], err

@@ -90,7 +90,7 @@ def test_overrides_parse_yaml_values_and_name_the_flag(tmp_path):
     job = load_job(path, ["params.iters=7", "scaling.workers=[2]", "env.NEW=x"])
     assert job.spec.params["iters"] == 7 and job.spec.world_sizes == (2,) and job.spec.env["NEW"] == "x"
     (line,) = problems(path, ["resources.cpu_workers=many"])
-    assert line.startswith("--set resources.cpu_workers: resources.cpu_workers:")
+    assert line.startswith("--set resources.cpu_workers: expected")
     (line,) = problems(path, ["novalue"])
     assert line.startswith("--set novalue: expected key.path=value")
 
@@ -122,3 +122,20 @@ def test_secret_env_values_are_masked():
 def test_every_shipped_job_validates(repo):
     for path in sorted((repo / "jobs").glob("*.yaml")):
         assert load_job(path).spec.name == path.stem
+
+
+def test_extends_chains_through_several_files(tmp_path):
+    write(tmp_path, "timeouts: {run_s: 10}\nenv: {A: root, B: root, C: root}\n", "root.yaml")
+    write(tmp_path, "extends: root.yaml\nenv: {B: middle, C: middle}\n", "middle.yaml")
+    path = write(tmp_path, GOOD.replace("env: {", "extends: middle.yaml\nenv: {C: top, "))
+    spec = load_job(path).spec
+    assert spec.timeouts.run_s == 10
+    assert (spec.env["A"], spec.env["B"], spec.env["C"]) == ("root", "middle", "top")
+
+
+def test_extends_cycle_is_bad_input(tmp_path):
+    write(tmp_path, "extends: b.yaml\n", "a.yaml")
+    write(tmp_path, "extends: a.yaml\n", "b.yaml")
+    path = write(tmp_path, GOOD.replace("env: {", "extends: a.yaml\nenv: {"))
+    (line,) = problems(path)
+    assert "extends: files extend each other in a cycle" in line and "a.yaml -> " in line
