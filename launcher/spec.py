@@ -10,7 +10,9 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any, Literal, Mapping
@@ -300,10 +302,15 @@ def check_references(loaded: LoadedJob) -> None:
             raise SpecError([f"{where}: script: no such file {script}"])
     if spec.entrypoint is not None:
         module = spec.entrypoint.partition(":")[0]
+        # the ranks also see the spec's own PYTHONPATH; look where they will
+        extra = [p for p in spec.env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[:0] = extra
         try:
             found = importlib.util.find_spec(module)
         except (ImportError, ValueError):
             found = None
+        finally:
+            del sys.path[: len(extra)]
         if found is None:
             raise SpecError([f"{where}: entrypoint: module '{module}' not found on the Python path"])
         function = spec.entrypoint.partition(":")[2]

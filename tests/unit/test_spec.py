@@ -139,3 +139,12 @@ def test_extends_cycle_is_bad_input(tmp_path):
     path = write(tmp_path, GOOD.replace("env: {", "extends: a.yaml\nenv: {"))
     (line,) = problems(path)
     assert "extends: files extend each other in a cycle" in line and "a.yaml -> " in line
+
+
+def test_an_entrypoint_is_found_on_the_specs_own_pythonpath(tmp_path):
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "gl_probe_workload.py").write_text("def run(ctx):\n    return {}\n")
+    text = f"name: j\nentrypoint: gl_probe_workload:run\nenv: {{PYTHONPATH: '{tmp_path / 'proj'}'}}\n"
+    assert load_job(write(tmp_path, text)).spec.entrypoint == "gl_probe_workload:run"
+    (line,) = problems(write(tmp_path, "name: j\nentrypoint: gl_probe_workload:run\n", "bare.yaml"))
+    assert "module 'gl_probe_workload' not found on the Python path" in line
