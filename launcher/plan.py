@@ -41,12 +41,17 @@ class WorkerConfig:
     stage_dir: str
     device_type: str  # "cuda" or "cpu"
     pg_backend: str  # "nccl" or "gloo"
-    threads_per_worker: int
+    # torch's intra-op threads per rank: the plan's share of the cores, or the spec's own
+    # OMP_NUM_THREADS (the user's setting wins); None where that value is not a plain count, so
+    # torch reads OMP_NUM_THREADS itself and the worker leaves it alone
+    threads_per_worker: int | None
     entrypoint: str | None
     script: str | None
     args: tuple[str, ...]
     params: Mapping[str, Any]
-    rendezvous_timeout_s: float
+    rendezvous_timeout_s: float  # bounds the ranks' rendezvous (store connect, every rank arrived)
+    # bounds each collective (the process group's timeout); None: torch's default for pg_backend
+    collective_timeout_s: float | None = None
 
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -241,12 +246,13 @@ def plan_stage(
         stage_dir=str(stage_dir),
         device_type=device_type,
         pg_backend=pg_backend,
-        threads_per_worker=threads,
+        threads_per_worker=_user_threads(spec.env, threads),
         entrypoint=spec.entrypoint,
         script=str(job.script_path()) if spec.script else None,
         args=spec.args,
         params=spec.params,
         rendezvous_timeout_s=spec.timeouts.rendezvous_s,
+        collective_timeout_s=spec.timeouts.collective_s,
     )
     master = nodes[0].address
     launches, ranks = [], []
@@ -285,6 +291,16 @@ def plan_stage(
         spec_env=spec.env,
         placement=spec.ray.placement,
     )
+
+
+def _user_threads(spec_env: Mapping[str, str], share: int) -> int | None:
+    """The ranks' torch thread count: the spec's OMP_NUM_THREADS when it sets one (None when that
+    is not a plain positive count, e.g. OpenMP's nested "4,2": torch then reads it unchanged),
+    else this plan's share of the cores."""
+    if "OMP_NUM_THREADS" not in spec_env:
+        return share
+    value = spec_env["OMP_NUM_THREADS"].strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def _node_env(job: LoadedJob, target: NodeTarget, threads: int, stage_dir: Path) -> dict[str, str]:

@@ -163,7 +163,8 @@ def run_rank(
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(config.threads_per_worker)
+        if config.threads_per_worker is not None:  # None: the spec's OMP_NUM_THREADS, read by torch itself
+            torch.set_num_threads(config.threads_per_worker)
         entry = _load_entrypoint(config.entrypoint) if config.entrypoint else None
         phases["imported"] = time.time()
         device = _select_device(torch, config, local_rank)
@@ -195,7 +196,7 @@ def run_rank(
                 params=config.params,
                 metrics=recorder,
                 stage_dir=stage_dir,
-                threads=config.threads_per_worker,
+                threads=torch.get_num_threads(),
             )
             beacon.set_phase("running")
             report["result"] = _jsonable(entry(ctx))
@@ -243,12 +244,63 @@ def _select_device(torch: Any, config: WorkerConfig, local_rank: int) -> Any:
 
 
 def _init_process_group(dist: Any, config: WorkerConfig, device: Any) -> None:
+    """Join the job's process group: the rendezvous bounded by ``timeouts.rendezvous_s``, every
+    collective afterwards by ``timeouts.collective_s`` (torch's default for the backend if unset).
+
+    ``init_process_group(timeout=...)`` alone cannot do both: that one value is the env://
+    store's timeout, bounds gloo's connection to every peer (ProcessGroupGloo's context timeout)
+    and is the group's collective timeout. So the rendezvous is done here, through the same env://
+    handler torch uses, and ends with every rank having arrived (a barrier on the store, bounded by
+    rendezvous_s); the group is then built on that store with the collective timeout, and the
+    store keeps that timeout too (NCCL exchanges the ids of communicators it creates later there).
+    """
     from datetime import timedelta
 
-    kwargs: dict[str, Any] = {"backend": config.pg_backend, "timeout": timedelta(seconds=config.rendezvous_timeout_s)}
+    rendezvous_timeout = timedelta(seconds=config.rendezvous_timeout_s)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=rendezvous_timeout))
+    store.set_timeout(rendezvous_timeout)
+    _wait_for_every_rank(dist, store, rank, world_size, config.rendezvous_timeout_s)
+    kwargs: dict[str, Any] = {
+        "backend": config.pg_backend,
+        # the key layout init_process_group gives its own env:// store
+        "store": dist.PrefixStore("default_pg", store),
+        "rank": rank,
+        "world_size": world_size,
+    }
+    if config.collective_timeout_s is not None:  # else torch's per-backend default applies
+        kwargs["timeout"] = timedelta(seconds=config.collective_timeout_s)
     if device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init: a bad GPU fails here, not at the first collective
     dist.init_process_group(**kwargs)
+    store.set_timeout(kwargs.get("timeout") or _default_collective_timeout(config.pg_backend))
+
+
+def _wait_for_every_rank(dist: Any, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+    """Return once all ``world_size`` ranks have reached this point; fail after ``timeout_s``."""
+    from datetime import timedelta
+
+    # per restart of the group: torchrun's agent store outlives a restart of its workers
+    key = f"gpulaunch/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if store.add(key, 1) == world_size:
+        store.set(key + "/all", "1")
+    try:
+        store.wait([key + "/all"], timedelta(seconds=timeout_s))
+    except dist.DistStoreError as exc:  # the wait timed out (a lost store raises DistNetworkError)
+        try:
+            arrived = str(store.add(key, 0))
+        except Exception:  # noqa: BLE001 - the count is only for the message
+            arrived = "?"
+        raise TimeoutError(
+            f"rendezvous: {arrived} of {world_size} ranks arrived within timeouts.rendezvous_s={timeout_s:g}s "
+            f"(rank {rank} waited for the others): {exc}"
+        ) from exc
+
+
+def _default_collective_timeout(pg_backend: str) -> Any:
+    from torch.distributed import constants
+
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    return nccl if pg_backend == "nccl" and nccl is not None else constants.default_pg_timeout
 
 
 def _run_script(config: WorkerConfig) -> None:

@@ -124,3 +124,22 @@ def test_a_script_always_gets_a_fresh_interpreter(tmp_path):
     path.write_text("name: s\nscript: train.py\n")
     (plan,) = make_plans(load_job(path), [node("laptop", cpus=2)], run_dir=tmp_path / "run", master_port=41234)
     assert "--start-method=spawn" in plan.nodes[0].argv
+
+
+@pytest.mark.parametrize("value, threads", [("1", 1), (3, 3), ("4,2", None)])
+def test_the_specs_omp_num_threads_wins_over_the_plans_share(tmp_path, value, threads):
+    (plan,) = plans(tmp_path, f"resources: {{cpu_workers: 2}}\nenv: {{OMP_NUM_THREADS: {value!r}}}\n", [node("laptop", cpus=8)])
+    assert plan.nodes[0].env["OMP_NUM_THREADS"] == str(value)  # what every rank's environment says ...
+    # ... and what the worker sets torch to: the same count, or None (not a plain count: the
+    # worker leaves torch to read OMP_NUM_THREADS itself) instead of the plan's share of 4
+    assert plan.worker.threads_per_worker == threads
+
+
+def test_the_timeouts_reach_the_worker(tmp_path):
+    (plan,) = plans(tmp_path, "timeouts: {rendezvous_s: 7, collective_s: 900}\n", [node("laptop", cpus=2)])
+    assert (plan.worker.rendezvous_timeout_s, plan.worker.collective_timeout_s) == (7, 900)
+    (plan,) = plans(tmp_path, "", [node("laptop", cpus=2)])
+    assert plan.worker.collective_timeout_s is None  # torch's default for the process-group backend
+    from launcher.plan import WorkerConfig
+
+    assert WorkerConfig.from_json(plan.worker.to_json()) == plan.worker
