@@ -1,13 +1,16 @@
 """The on-device metrics recorder: d2l's "keep the logs on the device, move them once".
 
 Inside the step loop nothing here synchronises with the device or calls ``.item()``:
-``log`` keeps a reference to the (0-d) tensor, ``timer`` records CUDA events on the current
-stream (host clocks on the CPU, where work is synchronous anyway) and ``step`` bumps a host
-integer. ``to_host`` at the end does one synchronisation and one device-to-host copy.
+``log`` keeps a copy of the (0-d) tensor made where it lies (queued on the device, so an
+accumulator updated in place later still logs the value it had), ``timer`` records CUDA events
+on the current stream (host clocks on the CPU, where work is synchronous anyway) and ``step``
+bumps a host integer. ``to_host`` at the end does one synchronisation and one device-to-host copy
+(one per device where values were logged on more than one, see ``log``).
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -31,11 +34,27 @@ class MetricsRecorder:
 
     # --- inside the loop: no host sync -----------------------------------------------------------
     def log(self, name: str, value: "torch.Tensor | float | int") -> None:
-        """Keep a value. Tensors stay where they are (no copy, no sync); numbers stay on the host."""
-        if isinstance(value, (int, float)):
+        """Keep a value: a real number (``float``, ``int``, numpy scalars) on the host; a one-element
+        tensor as a copy, never a view, with no host sync:
+
+        - on the recorder's device (the usual case): ``clone()``, queued on the device;
+        - on another GPU while the recorder is on one: copied to the recorder's device
+          (``non_blocking``: a device-to-device copy the streams order, the host does not wait);
+        - across the host/device boundary (a CPU tensor logged by a GPU rank, or the reverse):
+          cloned where it lies. A host-to-device copy of a pageable tensor would not be free here:
+          CUDA makes the host wait for the stream before copying pageable memory (``non_blocking``
+          or not; sync debug mode does not see it), and pinning it first costs a pinned allocation
+          per value. ``to_host`` copies each device's values once at the end instead.
+        """
+        if isinstance(value, numbers.Real):
             self._numbers.setdefault(name, []).append(float(value))
+            return
+        kept = value.detach().reshape(())
+        if kept.device != self.device and kept.device.type == self.device.type == "cuda":
+            kept = kept.to(self.device, non_blocking=True)  # a new tensor: a copy, not a view
         else:
-            self._tensors.setdefault(name, []).append(value.detach().reshape(()))
+            kept = kept.clone()
+        self._tensors.setdefault(name, []).append(kept)
 
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:
@@ -79,13 +98,18 @@ class MetricsRecorder:
         if self._tensors:
             import torch
 
-            names = list(self._tensors)
-            flat = torch.cat([torch.stack([t.to(torch.float64) for t in self._tensors[n]]) for n in names]).cpu()
-            offset = 0
-            for name in names:
-                count = len(self._tensors[name])
-                values.setdefault(name, []).extend(flat[offset : offset + count].tolist())
-                offset += count
+            # one stack and one copy to the host per device the values lie on (one in the usual case)
+            kept = [(name, t) for name, ts in self._tensors.items() for t in ts]
+            by_device: dict[Any, list[int]] = {}
+            for i, (_, t) in enumerate(kept):
+                by_device.setdefault(t.device, []).append(i)
+            host: list[float] = [0.0] * len(kept)
+            for indices in by_device.values():
+                copied = torch.stack([kept[i][1].to(torch.float64) for i in indices]).cpu().tolist()
+                for i, v in zip(indices, copied):
+                    host[i] = v
+            for (name, _), v in zip(kept, host):
+                values.setdefault(name, []).append(v)
         if self._events:
             import torch
 
