@@ -5,13 +5,18 @@ it in ``DistributedDataParallel`` and trains on its shard of a generated classif
 (labels from a fixed random "teacher" network: learnable, nothing downloaded). Batches move to the
 device as they are used (pinned, ``non_blocking`` on a GPU). Loss, correct answers and sample
 counts are summed in a tensor on the device, never read inside the loop, and reduced across ranks
-once at the end. Rank 0 then writes a checkpoint (model + optimizer + epoch) and every rank reads
-it back with ``map_location=ctx.device`` and checks it equals its own replica. ``params.resume``
-continues from such a checkpoint up to ``params.epochs`` in all.
+once at the end. Rank 0 then writes a checkpoint (model + optimizer + epoch), reads the file back
+and sends its bytes to every rank, which loads them with ``map_location=ctx.device`` and checks
+they equal its own replica. ``params.resume`` continues from such a checkpoint up to
+``params.epochs`` in all: rank 0 reads it and every rank loads the same bytes (model, optimizer
+state, epoch). No shared filesystem is assumed: a rank on another host (SSH without shared
+storage, a Ray actor on another node) never opens a checkpoint path, which exists on rank 0's host.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -70,10 +75,10 @@ def run(ctx: Any) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=float(P["lr"]))
     start_epoch, resumed_from = 0, None
     if P["resume"]:
-        resumed_from = str(Path(P["resume"]).expanduser().resolve())
-        if not Path(resumed_from).is_file():
-            raise FileNotFoundError(f"params.resume: no checkpoint at {resumed_from}")
-        state = torch.load(resumed_from, map_location=dev, weights_only=True)  # saved on cuda:0, read onto our device
+        # the file may exist on rank 0's host only: rank 0 reads it, every rank loads its bytes
+        resumed_from, payload = _from_rank0(dist, ctx, lambda: _read_resume(P["resume"]))
+        # saved on cuda:0 (or wherever), read onto our device; optimizer state and epoch included
+        state = torch.load(io.BytesIO(payload), map_location=dev, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start_epoch = int(state["epoch"])
@@ -111,11 +116,13 @@ def run(ctx: Any) -> dict[str, Any]:
     rec.log("test/loss", test[0] / test[2])
     rec.log("test/acc", test[1] / test[2])
 
-    path = Path(P["checkpoint"]).expanduser() if P["checkpoint"] else ctx.stage_dir / "checkpoint.pt"
-    if ctx.is_main:
+    def save_and_read_back() -> tuple[str, bytes]:  # on rank 0, on rank 0's host
+        path = Path(P["checkpoint"]).expanduser() if P["checkpoint"] else ctx.stage_dir / "checkpoint.pt"
         _save(torch, path, ddp.module, opt, int(P["epochs"]) if len(epochs) else start_epoch, ctx.world_size, P)
-    dist.barrier()
-    check = _check_checkpoint(torch, path, ddp.module, dev)
+        return str(path), path.read_bytes()
+
+    path, payload = _from_rank0(dist, ctx, save_and_read_back)
+    check = _check_checkpoint(torch, payload, ddp.module, dev)
     return {
         "samples_per_epoch": len(sampler),
         "batches_per_epoch": len(loader),
@@ -123,7 +130,7 @@ def run(ctx: Any) -> dict[str, Any]:
         "epochs_run": len(epochs),
         "first_epoch": start_epoch,
         "resumed_from": resumed_from,
-        "checkpoint": str(path),
+        "checkpoint": path,  # on rank 0's host
         "checkpoint_check": check,
         "threads": ctx.threads,
     }
@@ -149,9 +156,36 @@ def _save(torch: Any, path: Path, model: Any, opt: Any, epoch: int, world_size: 
     os.replace(tmp, path)  # readers never see half a file
 
 
-def _check_checkpoint(torch: Any, path: Path, model: Any, dev: Any) -> dict[str, Any]:
-    """Read rank 0's checkpoint onto this rank's device; it must equal this rank's replica."""
-    state = torch.load(path, map_location=dev, weights_only=True)
+def _read_resume(resume: str) -> tuple[str, bytes]:
+    path = Path(resume).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"params.resume: no checkpoint at {path} (on rank 0's host)")
+    return str(path), path.read_bytes()
+
+
+def _from_rank0(dist: Any, ctx: Any, produce: Any) -> tuple[str, bytes]:
+    """``produce()`` on rank 0, its ``(path, bytes)`` on every rank (one broadcast). If it raises,
+    every rank raises: rank 0 its own error, the others a RuntimeError quoting it."""
+    box: list[Any] = [None]
+    error = None
+    if ctx.is_main:
+        try:
+            box[0] = ("ok", *produce())
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others know
+            error, box[0] = exc, ("error", f"{type(exc).__name__}: {exc}", b"")
+    dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
+    status, path, payload = box[0]
+    if error is not None:
+        raise error
+    if status != "ok":
+        raise RuntimeError(f"rank 0 failed: {path}")
+    return path, payload
+
+
+def _check_checkpoint(torch: Any, payload: bytes, model: Any, dev: Any) -> dict[str, Any]:
+    """Load rank 0's checkpoint (the bytes of its file) onto this rank's device; it must equal this
+    rank's replica."""
+    state = torch.load(io.BytesIO(payload), map_location=dev, weights_only=True)
     tensors = list(state["model"].values())
     mine = model.state_dict()
     return {
@@ -160,6 +194,7 @@ def _check_checkpoint(torch: Any, path: Path, model: Any, dev: Any) -> dict[str,
         "equals_replica": all(torch.equal(state["model"][k], mine[k]) for k in mine),
         "epoch": int(state["epoch"]),
         "tensors": len(tensors),
+        "sha256": hashlib.sha256(payload).hexdigest(),  # the same bytes as rank 0's file
     }
 
 

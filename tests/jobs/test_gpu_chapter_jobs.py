@@ -3,6 +3,7 @@ world sizes 1 and 2 with tiny sizes. Assertions are on result.json and the plots
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -112,7 +113,9 @@ def test_ddp_train_trains_checkpoints_and_reads_back_on_every_rank(ddp_train):
         assert ckpt.is_file() and ckpt.stat().st_size > 0
         for r in ddp_train.ranks(ws):
             check = r["result"]["checkpoint_check"]
+            sha = check.pop("sha256")
             assert check == {"map_location": "cpu", "all_on_device": True, "equals_replica": True, "epoch": 2, "tensors": 6}
+            assert sha == hashlib.sha256(ckpt.read_bytes()).hexdigest()  # every rank loaded rank 0's file
             assert r["result"]["checkpoint"] == str(ckpt)
             assert r["result"]["samples_per_epoch"] == 1024 // ws  # each rank its shard
             assert len(r["metrics"]["values"]["train/loss"]) == 2 and len(r["metrics"]["values"]["test/acc"]) == 1
