@@ -132,6 +132,7 @@ class RankActor:
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "port": port,
             "ifname": interface_of(ip),
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         }
 
     def drain(self, wait_s: float) -> list[str]:

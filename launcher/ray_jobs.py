@@ -13,17 +13,20 @@ switched off.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, LauncherError
 
@@ -33,6 +36,7 @@ BUNDLE_END = "@gpulaunch-bundle-end "
 CHUNK = 16_000
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 POLL_S = 0.5
+STOP_WAIT_S = 30.0  # how long an interrupted launch waits for its Ray job to stop
 MAX_WORKING_DIR = 50 * 1024**2
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".git", ".venv", "runs", "*.egg-info")
 
@@ -110,37 +114,38 @@ def _working_dir(job: Any) -> Path:
 def submit_and_wait(job: Any, *, address: str, out: str | Path, overrides: Sequence[str] = (), quiet: bool = False) -> int:
     """Submit ``job`` to the cluster, stream its logs, bring ``result.json`` back; the job's exit code."""
     from launcher.api import new_run_id
-    from launcher.backends.ray import job_metadata
+    from launcher.backends.ray import check_single_pool, job_metadata
     from launcher.spec import JobSpec
 
+    check_single_pool(job)  # a Ray-specific message for resources.nodes > 1, before submitting
     jobs = client(address)
     address = _check_address(address)
     import launcher
 
     work = _working_dir(job)
-    submission_id = f"{job.spec.name}-{new_run_id()}"
+    job_id = submission_id = f"{job.spec.name}-{new_run_id()}"
     try:
-        job_id = jobs.submit_job(
-            entrypoint=f"python -m launcher.ray_jobs inside {SPEC_FILE}",
-            submission_id=submission_id,
-            metadata=job_metadata(JobSpec.model_validate(_effective_spec(job))),  # the spec run inside
-            runtime_env={
-                "working_dir": str(work),
-                "py_modules": [str(Path(launcher.__file__).parent)],
-                "excludes": ["__pycache__", "*.pyc"],
-                "env_vars": {"GPULAUNCH_RAY_CONNECT": "1", "PYTHONUNBUFFERED": "1"},
-            },
-        )
-    except Exception as exc:  # noqa: BLE001
-        raise LauncherError(f"cannot submit to {address}: {_one_line(exc)}", exit_code=EXIT_JOB_FAILED) from None
-    finally:
-        shutil.rmtree(work.parent, ignore_errors=True)
-    print(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})", file=sys.stderr, flush=True)
-    try:
-        status, logs = _follow(jobs, job_id, echo=not quiet)
-    except KeyboardInterrupt:
-        print(f"interrupted: stopping Ray job {job_id}", file=sys.stderr, flush=True)
-        _stop_and_wait(jobs, job_id)
+        with _signals_interrupt():
+            try:
+                job_id = jobs.submit_job(
+                    entrypoint=f"python -m launcher.ray_jobs inside {SPEC_FILE}",
+                    submission_id=submission_id,
+                    metadata=job_metadata(JobSpec.model_validate(_effective_spec(job))),  # the spec run inside
+                    runtime_env={
+                        "working_dir": str(work),
+                        "py_modules": [str(Path(launcher.__file__).parent)],
+                        "excludes": ["__pycache__", "*.pyc"],
+                        "env_vars": {"GPULAUNCH_RAY_CONNECT": "1", "PYTHONUNBUFFERED": "1"},
+                    },
+                )
+            except Exception as exc:  # noqa: BLE001
+                raise LauncherError(f"cannot submit to {address}: {_one_line(exc)}", exit_code=EXIT_JOB_FAILED) from None
+            finally:
+                shutil.rmtree(work.parent, ignore_errors=True)
+            print(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})", file=sys.stderr, flush=True)
+            status, logs = _follow(jobs, job_id, echo=not quiet)
+    except _Interrupted as exc:
+        _stop_after_interrupt(jobs, job_id, exc.signame)
         return EXIT_INTERRUPTED
     run_dir = unpack_bundle(logs, Path(out))
     info = jobs.get_job_info(job_id)
@@ -150,6 +155,52 @@ def submit_and_wait(job: Any, *, address: str, out: str | Path, overrides: Seque
         return code or EXIT_JOB_FAILED
     print(f"Ray job {job_id}: {status}; result: {run_dir / 'result.json'}", file=sys.stderr, flush=True)
     return code
+
+
+class _Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM while a submitted job runs: the launcher stops that job before exiting."""
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(signame)
+        self.signame = signame
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """Within this block SIGINT and SIGTERM raise ``_Interrupted`` (SIGTERM would otherwise end the
+    launcher at once and leave its Ray job running on the cluster)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise _Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _stop_after_interrupt(jobs: Any, job_id: str, signame: str) -> None:
+    """Stop the submitted job and wait up to STOP_WAIT_S for it to end; a second signal stops the
+    waiting (not the stop request, which has been sent)."""
+    print(f"interrupted ({signame}): stopping Ray job {job_id}", file=sys.stderr, flush=True)
+    try:
+        with _signals_interrupt():
+            status = _stop_and_wait(jobs, job_id, STOP_WAIT_S)
+    except _Interrupted:
+        print(f"interrupted again: not waiting for Ray job {job_id} to stop (see: launch status {job_id})", file=sys.stderr, flush=True)
+        return
+    except LauncherError as exc:  # e.g. interrupted before the submission reached the cluster
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return
+    if status in TERMINAL:
+        print(f"Ray job {job_id}: {status}", file=sys.stderr, flush=True)
+    else:
+        print(f"warning: Ray job {job_id} is still {status} after {STOP_WAIT_S:g}s (see: launch status {job_id})", file=sys.stderr, flush=True)
 
 
 def _exit_code(info: Any) -> int:

@@ -16,6 +16,7 @@ to the LogRouter and reports how ranks ended; ``stop`` kills the actors and remo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -30,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.backends.base import Backend, BackendStatus, RankExit
 from launcher.devices import GpuInfo, NodeInventory
-from launcher.errors import BackendError, LauncherError
+from launcher.errors import BackendError, LauncherError, PlanError
 from launcher.plan import LaunchPlan, NodeTarget
 from launcher.procutil import descendants, kill_now, pid_alive, process_start_ticks, read_json, wait_gone, write_json_atomic
 from launcher.ray_actor import RankActor
@@ -63,6 +64,24 @@ def check_dashboard_exposure(host: str, expose: bool) -> None:
         )
 
 
+def check_single_pool(job: Any) -> None:
+    """On Ray the whole cluster is one pool and the placement group picks the nodes, so
+    ``resources.nodes`` stays 1; say what to set instead (exit 2, before anything is started)."""
+    res = job.spec.resources
+    if res.nodes == 1:
+        return
+    n = res.nodes
+    gpus = f"resources.gpus_per_node: {res.gpus_per_node * n}" if isinstance(res.gpus_per_node, int) else "resources.gpus_per_node: auto (every GPU of the cluster)"
+    cpus = f"resources.cpu_workers: {res.cpu_workers * n}" if isinstance(res.cpu_workers, int) else "resources.cpu_workers: auto (every CPU of the cluster)"
+    total = {"cuda": gpus, "cpu": cpus}.get(res.device, f"{gpus} on GPUs, {cpus} on CPUs")
+    raise PlanError(
+        f"{job.path}: resources.nodes: {n} is not used with the Ray backend: Ray plans on the whole "
+        f"cluster as one pool and its placement group chooses the nodes. Set resources.nodes: 1 with "
+        f"the total instead ({total}), and ray.placement: spread (or strict_spread) to put the ranks "
+        f"on different nodes"
+    )
+
+
 def job_metadata(spec: Any) -> dict[str, str]:
     """What the dashboard's Jobs view shows for a run (Ray metadata values are strings)."""
     sizes = list(spec.world_sizes or [])
@@ -73,6 +92,29 @@ def job_metadata(spec: Any) -> dict[str, str]:
         "spec_hash": spec.fingerprint(),
         "launcher": "gpulaunch",
     }
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def ray_processes(session_dir: str | None, before: set[int]) -> dict[int, int | None]:
+    """The embedded Ray's processes, pid -> start ticks: this process's descendants that started
+    after ``ray.init`` (not in ``before``) and either name Ray's session dir on their command line
+    (gcs_server, raylet, dashboard, monitors) or run below one that does (workers, agents, the
+    dashboard's subprocesses). Anything else this process started (a notebook's or a service's own
+    subprocesses) is not Ray's and is never touched."""
+    if not session_dir:
+        return {}
+    needle = session_dir.encode()
+    roots = [p for p in descendants(os.getpid()) if p not in before and needle in _cmdline(p)]
+    ours = set(roots)
+    for root in roots:
+        ours.update(descendants(root))
+    return {p: process_start_ticks(p) for p in ours - before}
 
 
 def _kill_leftovers(pids: dict[int, int | None]) -> None:
@@ -105,6 +147,7 @@ def ray_session(job: Any) -> Iterator[None]:
     job_config = JobConfig(metadata=job_metadata(job.spec))
     common = dict(namespace=settings.namespace, log_to_driver=False, logging_level=logging.WARNING, job_config=job_config)
     embedded = not os.environ.get(CONNECT_ENV)
+    before = set(descendants(os.getpid())) if embedded else set()
     try:
         if embedded:
             ctx = ray.init(
@@ -121,10 +164,11 @@ def ray_session(job: Any) -> Iterator[None]:
         raise BackendError(f"cannot start Ray: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if ctx.dashboard_url:
         print(f"Ray dashboard: http://{ctx.dashboard_url}  ({'embedded' if embedded else 'cluster'}, namespace {settings.namespace})", file=sys.stderr, flush=True)
+    session_dir = (getattr(ctx, "address_info", None) or {}).get("session_dir")
     try:
         yield
     finally:
-        ours = {p: process_start_ticks(p) for p in descendants(os.getpid())} if embedded else {}
+        ours = ray_processes(session_dir, before) if embedded else {}
         ray.shutdown()
         if ours:
             _kill_leftovers(ours)
@@ -149,7 +193,9 @@ class RayBackend(Backend):
     @classmethod
     def pool_nodes(cls, job: Any) -> list[NodeTarget]:
         """The whole Ray cluster as one pool to plan on: its alive nodes' CPUs and GPUs summed.
-        Where each rank lands is the placement group's choice (``ray.placement``)."""
+        Where each rank lands is the placement group's choice (``ray.placement``); each rank's
+        threads are set per node once it is placed (``_rank_threads``)."""
+        check_single_pool(job)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         cpus = sum(int(n.get("Resources", {}).get("CPU", 0)) for n in alive)
         gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in alive)
@@ -255,13 +301,31 @@ class RayBackend(Backend):
 
     def _launch_runs(self) -> None:
         rank0 = self._probes[0]
-        config_json = self.plan.worker.to_json()
         local_node = ray.get_runtime_context().get_node_id()
+        node_cpus = _node_cpus()
         for r, actor in zip(self.plan.ranks, self._actors):
             env = self._rank_env(r.rank, rank0)
+            threads = self._rank_threads(r.rank, env, node_cpus)
+            if "OMP_NUM_THREADS" not in self.plan.spec_env:
+                env["OMP_NUM_THREADS"] = str(threads)
+            config_json = dataclasses.replace(self.plan.worker, threads_per_worker=threads).to_json()
             self._runs[actor.run.remote(config_json, env, self._probes[r.rank]["node_id"] == local_node)] = r.rank
             self._drains[actor.drain.remote(DRAIN_WAIT_S)] = r.rank
         self._state = "running"
+
+    def _rank_threads(self, rank: int, env: dict[str, str], node_cpus: dict[str, float]) -> int | None:
+        """This rank's intra-op threads: its own node's CPUs (Ray's count, capped by the cores the
+        actor may run on) shared by the ranks placed on that node, not the whole cluster's CPUs
+        over the world size (which oversubscribes a node when ranks pack onto it). Where the
+        spec's env sets OMP_NUM_THREADS, that wins: a plain count is used as is, anything else
+        keeps the plan's value."""
+        user = self.plan.spec_env.get("OMP_NUM_THREADS")
+        if user is not None:
+            value = str(user).strip()
+            return int(value) if value.isdigit() and int(value) > 0 else self.plan.worker.threads_per_worker
+        me = self._probes[rank]
+        known = [c for c in (node_cpus.get(me["node_id"]), me.get("cpus")) if c]
+        return max(1, int(min(known, default=1)) // int(env["LOCAL_WORLD_SIZE"]))
 
     def _rank_env(self, rank: int, rank0: dict[str, Any]) -> dict[str, str]:
         """torchrun's env for this rank, with the node layout Ray actually chose."""
@@ -384,6 +448,14 @@ class RayBackend(Backend):
                     at=seen,
                 )
                 write_json_atomic(path, report)
+
+
+def _node_cpus() -> dict[str, float]:
+    """Node id -> the CPUs Ray offers on that node, for every alive node."""
+    try:
+        return {n["NodeID"]: float(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")}
+    except RayError:
+        return {}
 
 
 def _take_ready(pending: dict[Any, int], timeout_s: float = 0) -> list[tuple[int, Any]]:

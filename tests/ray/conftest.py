@@ -3,12 +3,13 @@
 The head runs as ``ray start --head --block`` in a child process on free ports with its own temp
 dir and its own token (token auth on), so it never touches another Ray on this machine; at the end
 its whole process tree is stopped by pid (never ``ray stop``, which would stop every Ray here).
-While these tests run, pytest is a child subreaper: whatever a launcher leaves behind is
-re-parented to pytest, so "no Ray process of that run remains" is checked exactly, by pid.
+``ray_cluster`` adds more nodes on the same machine for multi-node tests. While these tests run,
+pytest is a child subreaper: whatever a launcher leaves behind is re-parented to pytest, so "no Ray process of that run remains" is checked exactly, by pid.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -20,7 +21,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -99,6 +100,7 @@ def launch(*args: str, env: dict | None = None, timeout: float = 180) -> subproc
 class RayHead:
     def __init__(self, proc: subprocess.Popen, address: str, env: dict[str, str], temp_dir: Path) -> None:
         self.proc, self.address, self.env, self.temp_dir = proc, address, env, temp_dir
+        self.gcs_address = ""
 
     def rest(self, path: str) -> object:
         import json
@@ -107,9 +109,29 @@ class RayHead:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
 
+    def alive_nodes(self) -> list[dict]:
+        try:
+            nodes = self.rest("/api/v0/nodes?limit=100")["data"]["result"]["result"]
+        except (OSError, KeyError, TypeError):
+            return []
+        return [n for n in nodes if n.get("state") == "ALIVE"]
 
-@pytest.fixture(scope="package")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
+
+def _ray_argv(*args: str, **ports: int) -> list[str]:
+    return [str(Path(sys.executable).parent / "ray"), "start", "--block", *args, *(f"--{k.replace('_', '-')}={v}" for k, v in ports.items())]
+
+
+def _node_ports() -> dict[str, int]:
+    names = ("node_manager_port", "object_manager_port", "metrics_export_port", "dashboard_agent_listen_port",
+             "dashboard_agent_grpc_port", "runtime_env_agent_port")
+    return {name: free_port() for name in names}
+
+
+@contextlib.contextmanager
+def ray_cluster(head_cpus: int = 4, worker_cpus: tuple[int, ...] = ()) -> Iterator[RayHead]:
+    """A Ray head on 127.0.0.1 (``head_cpus`` CPUs, no GPU) and one more node per ``worker_cpus``
+    entry on the same machine, token auth on, free ports, its own temp dir. On exit every process
+    of it is stopped, by pid."""
     temp_dir = Path(tempfile.mkdtemp(prefix="gplray-", dir="/tmp"))  # short: unix socket paths
     env = {
         **os.environ,
@@ -119,49 +141,36 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    dash = free_port()
-    ports = {
-        "--port": free_port(),
-        "--dashboard-port": dash,
-        "--ray-client-server-port": free_port(),
-        "--node-manager-port": free_port(),
-        "--object-manager-port": free_port(),
-        "--metrics-export-port": free_port(),
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-    }
-    argv = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
-        "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1", "--include-dashboard", "true",
-        "--num-cpus", "4", "--num-gpus", "0", "--temp-dir", str(temp_dir), "--disable-usage-stats",
-        "--object-store-memory", str(256 * 1024**2),
-        *(f"{k}={v}" for k, v in ports.items()),
-    ]
-    log = open(temp_dir / "head.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    head = RayHead(proc, f"http://127.0.0.1:{dash}", env, temp_dir)
+    common = ("--node-ip-address", "127.0.0.1", "--num-gpus", "0", "--disable-usage-stats", "--object-store-memory", str(256 * 1024**2))
+    dash, gcs = free_port(), free_port()
+    head_argv = _ray_argv(
+        "--head", "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", str(head_cpus),
+        "--temp-dir", str(temp_dir), *common,
+        port=gcs, dashboard_port=dash, ray_client_server_port=free_port(), **_node_ports(),
+    )
+    logs = [open(temp_dir / "head.log", "w")]  # noqa: SIM115
+    procs = [subprocess.Popen(head_argv, env=env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)]
+    head = RayHead(procs[0], f"http://127.0.0.1:{dash}", env, temp_dir)
+    head.gcs_address = f"127.0.0.1:{gcs}"
     tree: set[int] = set()
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            tree |= descendants(proc.pid)
-            try:
-                head.rest("/api/jobs/")
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"ray head did not come up: {(temp_dir / 'head.log').read_text()[-2000:]}")
-                time.sleep(0.5)
+        _wait_until(lambda: _answers(head), procs, temp_dir / "head.log", tree)
+        for k, cpus in enumerate(worker_cpus, 1):
+            logs.append(open(temp_dir / f"node{k}.log", "w"))  # noqa: SIM115
+            argv = _ray_argv(f"--address={head.gcs_address}", "--num-cpus", str(cpus), *common, **_node_ports())
+            procs.append(subprocess.Popen(argv, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+            _wait_until(lambda k=k: len(head.alive_nodes()) == k + 1, procs, temp_dir / f"node{k}.log", tree)
         yield head
     finally:
-        tree |= descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for proc in procs:
+            tree |= descendants(proc.pid)
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         tree |= {p for p in descendants(os.getpid()) if str(temp_dir) in cmdline(p)}
         for pid in wait_gone([p for p in tree if pid_alive(p)], 10):
             try:
@@ -170,5 +179,32 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
                 pass
         wait_gone(list(tree), 5)
         live_orphans(set())  # reap
-        log.close()
+        for log in logs:
+            log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _answers(head: RayHead) -> bool:
+    try:
+        head.rest("/api/jobs/")
+    except OSError:
+        return False
+    return True
+
+
+def _wait_until(ready: Callable[[], bool], procs: list[subprocess.Popen], log: Path, tree: set[int], timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for proc in procs:
+            tree |= descendants(proc.pid)
+        if ready():
+            return
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            pytest.fail(f"ray did not come up: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="package")
+def ray_head() -> Iterator[RayHead]:
+    with ray_cluster() as head:
+        yield head
