@@ -75,8 +75,10 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
     """What ``launch validate`` can check without contacting any host: the backend, the cluster
     file, and on this machine whether the plan fits. Returns what would run; raises as launch would."""
     name = _backend_name(job, backend)
-    if backends.get_backend(name).schedules_onto_cluster() or name == "ray":
-        return f"{name}: planned on the Ray cluster when it runs"
+    backend_cls = backends.get_backend(name)
+    backend_cls.check_job(job, cluster)
+    if backend_cls.schedules_onto_cluster():
+        return f"{name}: planned on the cluster when it runs"
     cluster_file = cluster or job.spec.cluster
     if cluster_file is not None:
         from launcher.cluster import load_cluster
@@ -89,6 +91,7 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
 
 def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
     name = _backend_name(job, backend)
+    backends.get_backend(name).check_job(job, cluster)
     nodes = resolve_nodes(job, cluster)
     run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
     plans = make_plans(job, nodes, run_dir=run_dir, master_port=_rendezvous_port(nodes), backend=name)
@@ -157,6 +160,7 @@ def run_job(
     loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
     name = _backend_name(loaded, backend)
     backend_cls = backends.get_backend(name)
+    backend_cls.check_job(loaded, cluster)
     nodes: list[NodeTarget] | None = None
     if not backend_cls.schedules_onto_cluster():
         nodes = resolve_nodes(loaded, cluster)

@@ -68,6 +68,10 @@ class Backend(ABC):
         return []
 
     @classmethod
+    def check_job(cls, job: Any, cluster: str | None) -> None:
+        """Refuse, before anything starts, what this backend cannot run (raise a LauncherError)."""
+
+    @classmethod
     def schedules_onto_cluster(cls) -> bool:
         """True when the backend places ranks on its own cluster (a Ray cluster): the plan then
         comes from ``pool_nodes`` inside the session, not from this machine or ``--cluster``."""

@@ -191,6 +191,16 @@ class RayBackend(Backend):
         return bool(os.environ.get(CONNECT_ENV))  # inside a Ray job: the cluster, not this node
 
     @classmethod
+    def check_job(cls, job: Any, cluster: str | None) -> None:
+        if cluster or job.spec.cluster:
+            where = "--cluster" if cluster else f"{job.path}: cluster"
+            raise PlanError(
+                f"{where}: a cluster file is for the torchrun backend over SSH; the Ray backend runs on a "
+                "Ray cluster (--address, or an embedded Ray on this machine)"
+            )
+        check_single_pool(job)
+
+    @classmethod
     def pool_nodes(cls, job: Any) -> list[NodeTarget]:
         """The whole Ray cluster as one pool to plan on: its alive nodes' CPUs and GPUs summed.
         Where each rank lands is the placement group's choice (``ray.placement``); each rank's

@@ -112,6 +112,8 @@ CASES = [
     Case("set-wrong-type", BASE, ("--set resources.cpu_workers: expected", "abc"), argv=("--set", "resources.cpu_workers=abc")),
     Case("set-boolean-for-a-number", BASE, ("--set timeouts.run_s: expected a valid number (got True)",), argv=("--set", "timeouts.run_s=true")),
     Case("boolean-for-a-count", BASE + "resources: {cpu_workers: yes}\n", ("resources.cpu_workers: expected 'auto' or a valid integer (got True)",), line=3),
+    Case("ray-with-a-cluster-file", BASE + "backend: ray\ncluster: hosts.yaml\n", ("cluster: a cluster file is for the torchrun backend",)),
+    Case("ray-several-nodes", BASE + "backend: ray\nresources: {nodes: 2}\n", ("resources.nodes: 2 is not used with the Ray backend",)),
     Case("set-negative", BASE, ("--set max_restarts: expected greater than or equal to 0",), argv=("--set", "max_restarts=-3")),
     Case("backend-flag-unknown", BASE, ("--backend: invalid choice: 'slurm'",), argv=("--backend", "slurm")),
     Case("unknown-flag", BASE, ("unrecognized arguments: --frobnicate",), argv=("--frobnicate",)),
