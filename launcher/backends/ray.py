@@ -327,12 +327,9 @@ class RayBackend(Backend):
         """This rank's intra-op threads: its own node's CPUs (Ray's count, capped by the cores the
         actor may run on) shared by the ranks placed on that node, not the whole cluster's CPUs
         over the world size (which oversubscribes a node when ranks pack onto it). Where the
-        spec's env sets OMP_NUM_THREADS, that wins: a plain count is used as is, anything else
-        keeps the plan's value."""
-        user = self.plan.spec_env.get("OMP_NUM_THREADS")
-        if user is not None:
-            value = str(user).strip()
-            return int(value) if value.isdigit() and int(value) > 0 else self.plan.worker.threads_per_worker
+        spec's env sets OMP_NUM_THREADS, that wins, as the plan already decided."""
+        if "OMP_NUM_THREADS" in self.plan.spec_env:
+            return self.plan.worker.threads_per_worker
         me = self._probes[rank]
         known = [c for c in (node_cpus.get(me["node_id"]), me.get("cpus")) if c]
         return max(1, int(min(known, default=1)) // int(env["LOCAL_WORLD_SIZE"]))
