@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import yaml
 
 from launcher import backends
+from launcher.backends.base import Backend
 from launcher.devices import discover
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.plan import LaunchPlan, NodeTarget, make_plans, plan_stage, stage_sizes
@@ -55,11 +56,21 @@ def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
     return preflight(load_cluster(path), job)
 
 
-def _backend_name(job: LoadedJob, backend: str | None) -> str:
+def _backend(job: LoadedJob, backend: str | None, cluster: str | None) -> tuple[str, type[Backend]]:
+    """The backend's name and class, once it has refused what it cannot run (nothing started)."""
     name = backend or job.spec.backend
     if name not in backends.names():
         raise LauncherError(f"--backend: unknown backend '{name}' (expected one of: {', '.join(backends.names())})", exit_code=EXIT_BAD_INPUT)
-    return name
+    backend_cls = backends.get_backend(name)
+    backend_cls.check_job(job, cluster)
+    return name, backend_cls
+
+
+def _masked_spec(job: LoadedJob) -> dict[str, Any]:
+    """The effective spec as stored in the run directory and result.json: secrets masked."""
+    effective = job.spec.model_dump(mode="json")
+    effective["env"] = mask_env(effective["env"])
+    return effective
 
 
 def _rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
@@ -74,9 +85,7 @@ def _rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
 def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None = None) -> str:
     """What ``launch validate`` can check without contacting any host: the backend, the cluster
     file, and on this machine whether the plan fits. Returns what would run; raises as launch would."""
-    name = _backend_name(job, backend)
-    backend_cls = backends.get_backend(name)
-    backend_cls.check_job(job, cluster)
+    name, backend_cls = _backend(job, backend, cluster)
     if backend_cls.schedules_onto_cluster():
         return f"{name}: planned on the cluster when it runs"
     cluster_file = cluster or job.spec.cluster
@@ -90,12 +99,10 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
 
 
 def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
-    name = _backend_name(job, backend)
-    backends.get_backend(name).check_job(job, cluster)
+    name, backend_cls = _backend(job, backend, cluster)
     nodes = resolve_nodes(job, cluster)
     run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
     plans = make_plans(job, nodes, run_dir=run_dir, master_port=_rendezvous_port(nodes), backend=name)
-    backend_cls = backends.get_backend(name)
     commands = tuple(tuple(backend_cls.describe_plan(plan)) for plan in plans)
     return DryRun(job, tuple(plans), commands)
 
@@ -158,9 +165,7 @@ def run_job(
     from launcher.console import RunUI
 
     loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
-    name = _backend_name(loaded, backend)
-    backend_cls = backends.get_backend(name)
-    backend_cls.check_job(loaded, cluster)
+    name, backend_cls = _backend(loaded, backend, cluster)
     nodes: list[NodeTarget] | None = None
     if not backend_cls.schedules_onto_cluster():
         nodes = resolve_nodes(loaded, cluster)
@@ -169,11 +174,9 @@ def run_job(
     stop = stop or StopRequest()
     run_id = new_run_id()
     run_dir = Path(out).resolve() / loaded.spec.name / run_id
-    effective = loaded.spec.model_dump(mode="json")
-    effective["env"] = mask_env(effective["env"])
     try:
         run_dir.mkdir(parents=True, exist_ok=False)
-        (run_dir / "spec.yaml").write_text(yaml.safe_dump(effective, sort_keys=False))
+        (run_dir / "spec.yaml").write_text(yaml.safe_dump(_masked_spec(loaded), sort_keys=False))
     except OSError as exc:
         raise LauncherError(
             f"--out {out}: cannot create the run directory {run_dir}: {exc.strerror or exc}; expected a writable directory",
@@ -227,14 +230,12 @@ def finish_run(
     from launcher.results import attach_plots, write_result
 
     t_agg = time.time()
-    effective = loaded.spec.model_dump(mode="json")
-    effective["env"] = mask_env(effective["env"])
     result = aggregate(
         outcomes,
         job=loaded.spec.name,
         run_id=run_id,
         backend=backend_name,
-        spec=effective,
+        spec=_masked_spec(loaded),
         spec_hash=loaded.spec.fingerprint(),
         entrypoint=loaded.spec.entrypoint,
         params=loaded.spec.params,

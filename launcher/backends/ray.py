@@ -204,8 +204,8 @@ class RayBackend(Backend):
     def pool_nodes(cls, job: Any) -> list[NodeTarget]:
         """The whole Ray cluster as one pool to plan on: its alive nodes' CPUs and GPUs summed.
         Where each rank lands is the placement group's choice (``ray.placement``); each rank's
-        threads are set per node once it is placed (``_rank_threads``)."""
-        check_single_pool(job)
+        threads are set per node once it is placed (``_rank_threads``). ``check_job`` has already
+        refused ``resources.nodes`` > 1."""
         alive = [n for n in ray.nodes() if n.get("Alive")]
         cpus = sum(int(n.get("Resources", {}).get("CPU", 0)) for n in alive)
         gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in alive)
