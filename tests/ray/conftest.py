@@ -109,6 +109,11 @@ class RayHead:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
 
+    def live_actors(self, name_prefix: str) -> list[dict]:
+        """The actors whose name starts with ``name_prefix`` and that are not DEAD."""
+        actors = self.rest("/api/v0/actors?limit=1000")["data"]["result"]["result"]
+        return [a for a in actors if a.get("name", "").startswith(name_prefix) and a.get("state") != "DEAD"]
+
     def alive_nodes(self) -> list[dict]:
         try:
             nodes = self.rest("/api/v0/nodes?limit=100")["data"]["result"]["result"]

@@ -194,8 +194,7 @@ def test_launch_stop_ends_a_running_cluster_job(ray_head, tmp_path: Path) -> Non
         assert "STOPPED" in stop.stdout
         assert proc.wait(60) != 0
         assert [j["status"] for j in _jobs(ray_head) if j["submission_id"] == job_id] == ["STOPPED"]
-        assert not [a for a in ray_head.rest("/api/v0/actors?limit=1000")["data"]["result"]["result"]
-                    if a.get("name", "").startswith("faulty-rank") and a.get("state") != "DEAD"]
+        assert not ray_head.live_actors("faulty-rank")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -77,8 +77,7 @@ def test_signal_to_launch_address_stops_the_submitted_job(ray_head: RayHead, tmp
         assert f"stopping Ray job {job_id}" in text, text[-3000:]
         assert [j["status"] for j in _jobs(ray_head) if j["submission_id"] == job_id] == ["STOPPED"]
         assert wait_gone([driver_pid, rank_pid], 60) == [], "a process of the stopped Ray job is still alive"
-        assert not [a for a in ray_head.rest("/api/v0/actors?limit=1000")["data"]["result"]["result"]
-                    if a.get("name", "").startswith("sleepy-rank") and a.get("state") != "DEAD"]
+        assert not ray_head.live_actors("sleepy-rank")
     finally:
         if proc.poll() is None:
             proc.kill()
