@@ -11,7 +11,6 @@ their checks (unreachable, missing Python/torch/gpulaunch, version mismatch, ...
 
 from __future__ import annotations
 
-import difflib
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from launcher.devices import NodeInventory
 from launcher.errors import EXIT_JOB_FAILED, LauncherError, SpecError
 from launcher.plan import NodeTarget
-from launcher.yamlsource import SourcedData, load_yaml
+from launcher.validation import did_you_mean, located_problems
+from launcher.yamlsource import load_yaml
 
 HOST_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 SSH_OPTION_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
@@ -108,7 +108,7 @@ def load_cluster(path: str | Path) -> ClusterConfig:
     problems: list[str] = []
     for key in data:
         if key not in _TOP_KEYS:
-            problems.append(f"{sourced.locate((key,))}: {key}: unknown key{_did_you_mean(str(key), _TOP_KEYS)}")
+            problems.append(f"{sourced.locate((key,))}: {key}: unknown key{did_you_mean(str(key), _TOP_KEYS)}")
     defaults = data.get("defaults") or {}
     hosts = data.get("hosts")
     if not isinstance(defaults, dict):
@@ -120,7 +120,7 @@ def load_cluster(path: str | Path) -> ClusterConfig:
     try:
         HostDefaults.model_validate(defaults)
     except ValidationError as exc:
-        problems += _describe_errors(exc, ("defaults",), sourced, HostDefaults)
+        problems += located_problems(exc, sourced, HostDefaults, ("defaults",))
     merged = []
     for i, host in enumerate(hosts):
         if not isinstance(host, dict):
@@ -134,7 +134,9 @@ def load_cluster(path: str | Path) -> ClusterConfig:
         try:
             valid.append(HostConfig.model_validate(host))
         except ValidationError as exc:
-            problems += _describe_errors(exc, ("hosts", i), sourced, HostConfig, inherited=set(defaults) - set(hosts[i]))
+            # a bad value a host inherited from `defaults` is reported once, at `defaults` (not per host)
+            inherited = set(defaults) - set(hosts[i])
+            problems += located_problems(exc, sourced, HostConfig, ("hosts", i), skip=lambda loc, known=inherited: bool(loc) and loc[0] in known)
     if problems:
         raise SpecError(problems)
     try:
@@ -155,51 +157,6 @@ def _resolve_paths(host: dict[str, Any], base: Path) -> dict[str, Any]:
             expanded = Path(value).expanduser()
             out[name] = str(expanded if expanded.is_absolute() else base / expanded)
     return out
-
-
-def _did_you_mean(key: str, choices: Any) -> str:
-    hint = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6)
-    return f", did you mean '{hint[0]}'?" if hint else f" (expected one of: {', '.join(sorted(choices))})"
-
-
-def _describe_errors(
-    exc: ValidationError, prefix: tuple[Any, ...], sourced: SourcedData, model: type[BaseModel], inherited: set[str] = frozenset()
-) -> list[str]:
-    grouped: dict[tuple[Any, ...], list[Any]] = {}
-    for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if not _is_union_tag(p))
-        grouped.setdefault(loc, []).append(err)
-    lines = []
-    for loc, errs in grouped.items():
-        err = errs[0]
-        # A bad value a host inherited from `defaults` is reported once, at `defaults` (not per host).
-        if loc and loc[0] in inherited:
-            continue
-        full = (*prefix, *loc)
-        where = sourced.locate(full)
-        dotted = ".".join(str(p) for p in full)
-        if err["type"] == "extra_forbidden":
-            lines.append(f"{where}: {dotted}: unknown key{_did_you_mean(str(loc[-1]), model.model_fields)}")
-        elif err["type"] == "missing":
-            lines.append(f"{where}: {dotted}: required field is missing")
-        else:
-            msg = " or ".join(_expectation(e) for e in errs).replace(" or expected ", " or ")
-            got = err.get("input")
-            shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-            lines.append(f"{where}: {dotted}: {msg}{shown}")
-    return lines
-
-
-def _expectation(err: Any) -> str:
-    if err["type"] == "string_pattern_mismatch":
-        return f"expected text matching {err['ctx']['pattern']}"
-    return re.sub(r"^Input should be ", "expected ", str(err["msg"]).replace("Value error, ", ""))
-
-
-def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and (
-        part in {"int", "float", "str", "bool"} or part.startswith(("literal[", "function-", "constrained-"))
-    )
 
 
 # --------------------------------------------------------------------------------------- preflight

@@ -6,13 +6,9 @@ the line and the dotted field path, with a "did you mean" for misspelt keys.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
-import importlib.util
 import json
-import os
 import re
-import sys
 from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any, Literal, Mapping
@@ -32,7 +28,9 @@ from pydantic import (
     model_validator,
 )
 
+from launcher.entrypoint import check_entrypoint
 from launcher.errors import SpecError
+from launcher.validation import located_problems
 from launcher.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -62,6 +60,10 @@ FrozenMap = Annotated[
     dict[str, Any], AfterValidator(_freeze), PlainSerializer(lambda m: dict(m), return_type=dict)
 ]
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # what a process environment (and a shell) accepts as a name
+PATTERN_HINTS = {
+    ENV_NAME: "expected an environment variable name (letters, digits and _, not starting with a digit)",
+    ENTRYPOINT.pattern: "expected module:function, e.g. launcher.workloads.matmul:run",
+}
 EnvMap = Annotated[
     dict[
         Annotated[str, StringConstraints(pattern=ENV_NAME)],
@@ -170,7 +172,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
     sourced = _apply_overrides(sourced, overrides)
     spec = _validate(sourced)
     loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent)
-    check_references(loaded)
+    check_references(loaded, sourced)
     return loaded
 
 
@@ -212,6 +214,8 @@ def _apply_overrides(sourced: SourcedData, overrides: list[str] | tuple[str, ...
             value = raw
         set_path(data, key, value)
         keys = tuple(int(k) if k.isdigit() else k for k in key.split("."))
+        # what was under the key in the file is gone: its lines must not be blamed
+        locations = {path: at for path, at in locations.items() if path[: len(keys)] != keys}
         for end in range(1, len(keys) + 1):
             locations[keys[:end]] = Location(f"--set {key}")
     if problems:
@@ -223,77 +227,12 @@ def _validate(sourced: SourcedData) -> JobSpec:
     try:
         return JobSpec.model_validate(sourced.data)
     except ValidationError as exc:
-        # A union field fails once per member; report it once, with every accepted form.
-        grouped: dict[tuple[Any, ...], list[Any]] = {}
-        for err in exc.errors():
-            grouped.setdefault(tuple(p for p in err["loc"] if not _is_union_tag(p)), []).append(err)
-        # a list whose items failed is also "too short after validation": say only what is wrong
-        for loc in [k for k, errs in grouped.items() if errs[0]["type"] == "too_short"]:
-            if any(other[: len(loc)] == loc and other != loc for other in grouped):
-                del grouped[loc]
-        raise SpecError([_describe(loc, errs, sourced) for loc, errs in grouped.items()]) from None
+        raise SpecError(located_problems(exc, sourced, JobSpec, pattern_hints=PATTERN_HINTS)) from None
 
 
-def _describe(loc: tuple[Any, ...], errs: list[Any], sourced: SourcedData) -> str:
-    err = errs[0]
-    where = sourced.locate(loc)
-    dotted = ".".join(str(p) for p in loc if p != "[key]") or "(top level)"  # pydantic marks a bad key
-    if err["type"] == "extra_forbidden":
-        choices = _field_names(loc[:-1])
-        hint = difflib.get_close_matches(str(loc[-1]), choices, n=1, cutoff=0.6)
-        tail = f", did you mean '{hint[0]}'?" if hint else f" (expected one of: {', '.join(sorted(choices))})"
-        return f"{_field(where, dotted)}: unknown key{tail}"
-    if err["type"] == "missing":
-        return f"{_field(where, dotted)}: required field is missing"
-    msg = " or ".join(_expectation(e) for e in errs).replace(" or expected ", " or ")
-    got = err.get("input")
-    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-    return f"{_field(where, dotted)}: {msg}{shown}"
-
-
-def _field(where: Any, dotted: str) -> str:
-    """``FILE:LINE: field`` or ``--set field`` (the flag already names the field)."""
-    return str(where) if str(where) == f"--set {dotted}" else f"{where}: {dotted}"
-
-
-def _expectation(err: Any) -> str:
-    if err["type"] == "string_pattern_mismatch" and err["ctx"]["pattern"] == ENV_NAME:
-        return "expected an environment variable name (letters, digits and _, not starting with a digit)"
-    if err["type"] == "string_pattern_mismatch" and err["ctx"]["pattern"] == ENTRYPOINT.pattern:
-        return "expected module:function, e.g. launcher.workloads.matmul:run"
-    if err["type"] == "string_pattern_mismatch":
-        return f"expected text matching {err['ctx']['pattern']}"
-    if err["type"] == "too_short":
-        return f"expected at least {err['ctx']['min_length']} item(s)"
-    if err["type"] == "model_type":
-        return "expected a mapping of fields"
-    msg = str(err["msg"]).replace("Value error, ", "")
-    return re.sub(r"^Input should be ", "expected ", msg)
-
-
-def _is_union_tag(part: Any) -> bool:
-    # pydantic adds the union member's name ("int", "literal['auto']") to the error location.
-    return isinstance(part, str) and (
-        part in {"int", "float", "str", "bool"} or part.startswith(("literal[", "function-", "constrained-"))
-    )
-
-
-def _field_names(loc: tuple[Any, ...]) -> list[str]:
-    model: Any = JobSpec
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        annotation = field.annotation
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if model is None:
-            return []
-    return list(model.model_fields)
-
-
-def check_references(loaded: LoadedJob) -> None:
-    """The entrypoint's module and the script must exist before anything is spawned."""
+def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> None:
+    """The entrypoint's module and the script must exist before anything is spawned, and the
+    params must fit the entrypoint's ``Params`` model when it declares one."""
     spec, where = loaded.spec, loaded.path
     if spec.script is not None:
         script = loaded.script_path()
@@ -301,43 +240,13 @@ def check_references(loaded: LoadedJob) -> None:
         if not script.is_file():
             raise SpecError([f"{where}: script: no such file {script}"])
     if spec.entrypoint is not None:
-        module = spec.entrypoint.partition(":")[0]
-        # the ranks also see the spec's own PYTHONPATH; look where they will
-        extra = [p for p in spec.env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-        sys.path[:0] = extra
-        try:
-            found = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            found = None
-        finally:
-            del sys.path[: len(extra)]
-        if found is None:
-            raise SpecError([f"{where}: entrypoint: module '{module}' not found on the Python path"])
-        function = spec.entrypoint.partition(":")[2]
-        if found.origin and found.origin.endswith(".py") and not _defines(Path(found.origin), function):
-            raise SpecError([f"{where}: entrypoint: module '{module}' ({found.origin}) has no function '{function}'"])
-
-
-def _defines(source: Path, name: str) -> bool:
-    """Whether a module's source binds ``name`` at top level (read, never imported: importing a
-    user's module here could import torch or run its code). Unsure means yes."""
-    import ast
-
-    try:
-        tree = ast.parse(source.read_bytes())
-    except (OSError, SyntaxError, ValueError):
-        return True  # the rank's import reports it
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
-            return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if any(alias.name == "*" or (alias.asname or alias.name.split(".")[0]) == name for alias in node.names):
-                return True
-        elif not isinstance(node, (ast.Expr, ast.Pass)) and any(
-            isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(node)
-        ):
-            return True  # assigned, or bound inside an if/try at top level
-    return False
+        model = check_entrypoint(spec.entrypoint, spec.env.get("PYTHONPATH", ""), where)
+        if model is not None:
+            try:
+                model.model_validate(dict(spec.params))
+            except ValidationError as exc:
+                at = sourced or SourcedData(None, origin=Location(str(where)))
+                raise SpecError(located_problems(exc, at, model, ("params",))) from None
 
 
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Small helpers shared by the d2l "GPUs" workloads: parameters, clocks, sync counters, plots.
 
-Everything here is imported inside the ranks (``run``) or at the end of a run (``summarize`` /
-``plot``); torch and matplotlib are imported lazily so that ``summarize`` stays cheap.
+Everything here is imported inside the ranks (``run``), by the launcher before it spawns anything
+(to check ``params`` against a workload's ``Params``) and at the end of a run (``summarize`` /
+``plot``); torch and matplotlib are imported lazily so that those stay cheap.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable, Iterator, Mapping
+from typing import Annotated, Any, Callable, Iterator, Literal, Mapping
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt
 
 # Tensor methods that hand a tensor's values to Python or to host memory: on a GPU every one of
 # them waits for the device (a host synchronisation); on the CPU they are plain reads.
@@ -20,13 +23,36 @@ HOST_COPIES = frozenset({"cpu", "to", "copy_"})
 SYNC_WARNING = "synchronizing CUDA operation"
 
 
-def param(params: Mapping[str, Any], defaults: Mapping[str, Any], name: str) -> Any:
-    value = params.get(name)
-    return defaults[name] if value is None else value
+class WorkloadParams(BaseModel):
+    """A workload's ``params``, checked by the launcher before anything is spawned (unknown keys
+    and wrong types exit 2 with the spec's file and line) and read by the ranks with defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def int_list(value: Any) -> list[int]:
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _distinct(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    if len(set(values)) != len(values):
+        raise ValueError("expected each size once")  # a repeated size would be timed, and counted, twice
+    return values
+
+
+Count = Annotated[StrictInt, Field(ge=1)]
+NonNegative = Annotated[StrictInt, Field(ge=0)]
+Positive = Annotated[StrictFloat, Field(gt=0)]
+# `sizes: 64` means `sizes: [64]`
+Sizes = Annotated[tuple[Count, ...], BeforeValidator(_as_list), Field(min_length=1), AfterValidator(_distinct)]
+PositiveSizes = Annotated[tuple[Positive, ...], BeforeValidator(_as_list), Field(min_length=1), AfterValidator(_distinct)]
+DtypeName = Literal["float16", "bfloat16", "float32", "float64"]
+
+
+def torch_dtype(name: DtypeName) -> Any:
+    import torch
+
+    return getattr(torch, name)
 
 
 def sync(device: Any) -> None:

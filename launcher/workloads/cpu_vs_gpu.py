@@ -16,39 +16,56 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
-from launcher.workloads._common import devices_label, host_barrier_group, int_list, med, ok_ranks, param, rnd, save_figure
+from pydantic import ValidationInfo, field_validator
 
-DEFAULTS = {
-    "sizes": [16, 64, 256, 1024, 2048],
-    "work_gflop": 10.0,
-    "min_iters": 2,
-    "max_iters": 1000,
-    "warmup": 2,
-    "dtype": "float32",
-    "cpu_threads": "all",
-}
+from launcher.workloads._common import (
+    Count,
+    DtypeName,
+    NonNegative,
+    Positive,
+    Sizes,
+    WorkloadParams,
+    devices_label,
+    host_barrier_group,
+    med,
+    ok_ranks,
+    rnd,
+    save_figure,
+    torch_dtype,
+)
+
+class Params(WorkloadParams):
+    sizes: Sizes = (16, 64, 256, 1024, 2048)
+    work_gflop: Positive = 10.0  # arithmetic per size, which sets iters(n)
+    min_iters: Count = 2
+    max_iters: Count = 1000
+    warmup: NonNegative = 2
+    dtype: DtypeName = "float32"
+    cpu_threads: Literal["all"] | Count = "all"  # for the CPU side; "all": every core this process may use
+
+    @field_validator("max_iters")
+    @classmethod
+    def _at_least_min_iters(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_iters")
+        if low is not None and value < low:
+            raise ValueError(f"expected at least min_iters ({low})")
+        return value
 
 
-def _p(params: Mapping[str, Any], name: str) -> Any:
-    return param(params, DEFAULTS, name)
+def iters_for(n: int, p: Params) -> int:
+    want = int(p.work_gflop * 1e9 / (2.0 * n**3))
+    return max(p.min_iters, min(p.max_iters, want))
 
 
-def iters_for(n: int, params: Mapping[str, Any]) -> int:
-    flops = 2.0 * n**3
-    want = int(float(_p(params, "work_gflop")) * 1e9 / flops)
-    return max(int(_p(params, "min_iters")), min(int(_p(params, "max_iters")), want))
-
-
-def _cpu_threads(params: Mapping[str, Any], default: int) -> int:
-    value = _p(params, "cpu_threads")
-    if value == "all":
-        try:
-            return len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            return os.cpu_count() or default
-    return int(value)
+def _cpu_threads(p: Params, default: int) -> int:
+    if p.cpu_threads != "all":
+        return p.cpu_threads
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or default
 
 
 def _time_cpu(torch: Any, n: int, iters: int, warmup: int, dtype: Any) -> float:
@@ -67,19 +84,19 @@ def run(ctx: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    dtype = getattr(torch, str(_p(ctx.params, "dtype")))
-    sizes, warmup = int_list(_p(ctx.params, "sizes")), int(_p(ctx.params, "warmup"))
+    p = Params.model_validate(ctx.params)
+    dtype, sizes, warmup = torch_dtype(p.dtype), p.sizes, p.warmup
     rec = ctx.metrics
     out: dict[str, Any] = {"iters": {}, "cpu_measured": False, "gpu_measured": ctx.device.type == "cuda"}
     quiet = host_barrier_group(dist, ctx)  # waiting ranks must not spin on the cores being timed
     # CPU: one rank per node at a time, with all of the node's cores.
     if ctx.local_rank == 0:
-        threads = _cpu_threads(ctx.params, ctx.threads)
+        threads = _cpu_threads(p, ctx.threads)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             for n in sizes:
-                iters = iters_for(n, ctx.params)
+                iters = iters_for(n, p)
                 rec.add_time_ms(f"cpu/{n}", _time_cpu(torch, n, iters, warmup, dtype))
                 rec.step()
         finally:
@@ -89,7 +106,7 @@ def run(ctx: Any) -> dict[str, Any]:
     if ctx.device.type == "cuda":
         out["gpu_name"] = torch.cuda.get_device_name(ctx.device)
         for n in sizes:
-            iters = iters_for(n, ctx.params)
+            iters = iters_for(n, p)
             a = torch.randn(n, n, device=ctx.device, dtype=dtype)
             b = torch.randn(n, n, device=ctx.device, dtype=dtype)
             for _ in range(warmup):
@@ -99,7 +116,7 @@ def run(ctx: Any) -> dict[str, Any]:
                 for _ in range(iters):
                     torch.matmul(a, b)
             rec.step()
-    out["iters"] = {str(n): iters_for(n, ctx.params) for n in sizes}
+    out["iters"] = {str(n): iters_for(n, p) for n in sizes}
     return out
 
 
@@ -110,12 +127,13 @@ def _gflops(n: int, iters: int, ms: float | None) -> float | None:
 def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
     """Per size: time per matmul on the CPU and on the GPUs (median over ranks), and the speedup."""
     ranks = ok_ranks(stages)
-    sizes = int_list(_p(params, "sizes"))
+    p = Params.model_validate(params)
+    sizes = p.sizes
     cpu_ranks = [r for r in ranks if (r.get("result") or {}).get("cpu_measured")]
     gpu_ranks = [r for r in ranks if (r.get("result") or {}).get("gpu_measured")]
     rows = []
     for n in sizes:
-        iters = iters_for(n, params)
+        iters = iters_for(n, p)
         cpu_ms = med([t for r in cpu_ranks for t in r["metrics"]["times_ms"].get(f"cpu/{n}", [])])
         gpu_each = [med(r["metrics"]["times_ms"].get(f"gpu/{n}")) for r in gpu_ranks]
         gpu_ms = med(gpu_each)

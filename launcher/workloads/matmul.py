@@ -16,49 +16,51 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from launcher.workloads._common import save_figure, wall_clock
-
-DEFAULTS = {"sizes": [256, 1024], "iters": 20, "warmup": 3, "dtype": "float32", "concurrent_size": None, "concurrent_iters": None}
+from launcher.workloads._common import Count, DtypeName, NonNegative, Sizes, WorkloadParams, save_figure, torch_dtype, wall_clock
 
 
-def _param(params: Mapping[str, Any], name: str) -> Any:
-    return params.get(name, DEFAULTS[name])
+class Params(WorkloadParams):
+    sizes: Sizes = (256, 1024)  # matrix sizes n, each timed as n x n @ n x n
+    iters: Count = 20  # timed multiplications per size
+    warmup: NonNegative = 3
+    dtype: DtypeName = "float32"
+    concurrent_size: Count | None = None  # the concurrency tasks' n; default: the largest size
+    concurrent_iters: Count | None = None  # their multiplications; default: iters
 
 
 def run(ctx: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    dtype = getattr(torch, str(_param(ctx.params, "dtype")))
-    iters, warmup = int(_param(ctx.params, "iters")), int(_param(ctx.params, "warmup"))
+    p = Params.model_validate(ctx.params)
+    dtype = torch_dtype(p.dtype)
     rec = ctx.metrics
-    for n in (int(s) for s in _param(ctx.params, "sizes")):
+    for n in p.sizes:
         a = torch.randn(n, n, device=ctx.device, dtype=dtype)  # made on the device: no host copy
         b = torch.randn(n, n, device=ctx.device, dtype=dtype)
-        for _ in range(warmup):
+        for _ in range(p.warmup):
             torch.matmul(a, b)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)  # outside the timed block: warm-up must not leak in
         dist.barrier()  # every rank times the same moment, so scaling measures contention honestly
         with rec.timer(f"matmul/{n}"):
-            for _ in range(iters):
+            for _ in range(p.iters):
                 c = torch.matmul(a, b)
                 rec.step()
         rec.log(f"checksum/{n}", c.norm())  # stays on the device until the end
     if ctx.world_size >= 2:
-        _concurrent_vs_sequential(ctx, torch, dist, dtype)
+        _concurrent_vs_sequential(ctx, p, torch, dist, dtype)
     return {"threads": ctx.threads}
 
 
-def concurrency_params(params: Mapping[str, Any]) -> tuple[int, int]:
+def concurrency_params(p: Params) -> tuple[int, int]:
     """The tasks' matrix size and iterations: by default the largest size and ``iters``."""
-    n = params.get("concurrent_size") or max(int(s) for s in _param(params, "sizes"))
-    return int(n), int(params.get("concurrent_iters") or _param(params, "iters"))
+    return p.concurrent_size or max(p.sizes), p.concurrent_iters or p.iters
 
 
-def _concurrent_vs_sequential(ctx: Any, torch: Any, dist: Any, dtype: Any) -> None:
+def _concurrent_vs_sequential(ctx: Any, p: Params, torch: Any, dist: Any, dtype: Any) -> None:
     """Two tasks on one device one after the other (rank 0), then on two devices at once (ranks 0, 1)."""
-    n, iters = concurrency_params(ctx.params)
+    n, iters = concurrency_params(p)
     tasks = []
     for seed in (1, 2):  # the same two tasks wherever they run
         gen = torch.Generator().manual_seed(seed)
@@ -90,8 +92,8 @@ def _gflops(n: int, iters: int, ms: float) -> float:
 
 def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
     """Per-rank and total GFLOP/s per world size and matrix size, and scaling efficiency."""
-    iters = int(_param(params, "iters"))
-    sizes = [int(s) for s in _param(params, "sizes")]
+    p = Params.model_validate(params)
+    iters, sizes = p.iters, p.sizes
     per_stage: dict[int, dict[int, list[float]]] = {}
     device, threads = "?", {}
     for stage in stages:
@@ -138,7 +140,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             "CPU run: each worker gets its share of the cores (threads_per_worker), so N workers "
             "compete for the same cores as one; GPU runs give every rank a device of its own."
         )
-    concurrency = _concurrency_rows(stages, params)
+    concurrency = _concurrency_rows(stages, p)
     for row in concurrency:
         conclusions.append(
             f"two tasks of {row['iters']} matmuls (n={row['size']}): {row['sequential_ms']:.1f} ms one after the other on "
@@ -161,8 +163,8 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     }
 
 
-def _concurrency_rows(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> list[dict[str, Any]]:
-    n, iters = concurrency_params(params)
+def _concurrency_rows(stages: list[dict[str, Any]], p: Params) -> list[dict[str, Any]]:
+    n, iters = concurrency_params(p)
     rows = []
     for stage in stages:
         by_rank = {r["rank"]: r for r in stage["ranks"] if r.get("status") == "ok"}

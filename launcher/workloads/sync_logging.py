@@ -21,17 +21,30 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from launcher.workloads._common import (
+    Count,
+    DtypeName,
+    NonNegative,
     SyncCounter,
+    WorkloadParams,
     devices_label,
     med,
     ok_ranks,
-    param,
     rnd,
     save_figure,
+    torch_dtype,
     wall_clock,
 )
 
-DEFAULTS = {"steps": 1000, "n": 100, "repeats": 3, "warmup": 1, "dtype": "float32", "seed": 0}
+
+class Params(WorkloadParams):
+    steps: Count = 1000  # matmuls, each logging one norm
+    n: Count = 100  # matrix size
+    repeats: Count = 3  # timed runs of each variant (median)
+    warmup: NonNegative = 1
+    dtype: DtypeName = "float32"
+    seed: NonNegative = 0
+
+
 VARIANTS = ("item", "device", "recorder")
 LABELS = {
     "item": ".item()/step",
@@ -41,19 +54,14 @@ LABELS = {
 PLOT_LABELS = {"item": ".item() every step", "device": "log on device, 1 copy", "recorder": "ctx.metrics (launcher)"}
 
 
-def _p(params: Mapping[str, Any], name: str) -> Any:
-    return param(params, DEFAULTS, name)
-
-
 def run(ctx: Any) -> dict[str, Any]:
     import torch
 
     from launcher.metrics import MetricsRecorder
 
-    steps, n = int(_p(ctx.params, "steps")), int(_p(ctx.params, "n"))
-    repeats, warmup = int(_p(ctx.params, "repeats")), int(_p(ctx.params, "warmup"))
-    dtype = getattr(torch, str(_p(ctx.params, "dtype")))
-    gen = torch.Generator(device="cpu").manual_seed(int(_p(ctx.params, "seed")))
+    p = Params.model_validate(ctx.params)
+    steps, n, repeats, warmup, dtype = p.steps, p.n, p.repeats, p.warmup, torch_dtype(p.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(p.seed)
     # The same inputs on every rank and for every variant, made on the host once and moved once.
     a = torch.randn(n, n, generator=gen, dtype=dtype).to(ctx.device)
     xs = (torch.randn(steps, n, n, generator=gen, dtype=dtype) / n**0.5).to(ctx.device)
@@ -108,7 +116,8 @@ def run(ctx: Any) -> dict[str, Any]:
 def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
     """Wall time per variant (median over ranks), its ratio to the device log, and host syncs."""
     ranks = ok_ranks(stages)
-    steps = int(_p(params, "steps"))
+    p = Params.model_validate(params)
+    steps = p.steps
     per_rank, walls = [], {v: [] for v in VARIANTS}
     for r in ranks:
         res = r.get("result") or {}
@@ -121,7 +130,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             syncs = res.get("device_syncs")
             entry["variants"][v] = {
                 "wall_ms": rnd(wall),
-                "host_reads_per_step": rnd(res.get("host_reads", {}).get(f"{v}/loop", 0) / max(steps, 1), 6),
+                "host_reads_per_step": rnd(res.get("host_reads", {}).get(f"{v}/loop", 0) / steps, 6),
                 "host_reads_in_loop": res.get("host_reads", {}).get(f"{v}/loop"),
                 "host_reads_at_end": res.get("host_reads", {}).get(f"{v}/end"),
                 "device_syncs_in_loop": None if syncs is None else syncs.get(f"{v}/loop"),
@@ -157,7 +166,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             }
         )
     summary = {
-        "title": f"logging {steps} matmul norms (n={_p(params, 'n')}): .item() per step vs on-device log",
+        "title": f"logging {steps} matmul norms (n={p.n}): .item() per step vs on-device log",
         "columns": ["variant", "wall_ms", "us_step", "ratio", "reads_loop", "syncs_loop", "at_end"],
         "rows": rows,
         "variants": {row["key"]: row for row in rows},

@@ -19,27 +19,24 @@ import hashlib
 import io
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
-from launcher.workloads._common import devices_label, med, rnd, save_figure
+from pydantic import Field, StrictInt
 
-DEFAULTS = {
-    "n_train": 32768,
-    "n_test": 4096,
-    "features": 64,
-    "classes": 10,
-    "hidden": 512,
-    "batch_size": 256,  # per rank
-    "epochs": 4,  # in all, counting the epochs of a resumed checkpoint
-    "lr": 0.002,
-    "seed": 0,
-    "checkpoint": None,  # default: <stage dir>/checkpoint.pt
-    "resume": None,  # a checkpoint to continue from
-}
+from launcher.workloads._common import Count, NonNegative, Positive, WorkloadParams, devices_label, med, rnd, save_figure
 
-
-def _p(params: Mapping[str, Any], name: str) -> Any:
-    return params.get(name, DEFAULTS[name])
+class Params(WorkloadParams):
+    n_train: Count = 32768  # generated samples: nothing is downloaded
+    n_test: Count = 4096
+    features: Count = 64
+    classes: Annotated[StrictInt, Field(ge=2)] = 10
+    hidden: Count = 512
+    batch_size: Count = 256  # per rank
+    epochs: Count = 4  # in all, counting the epochs of a resumed checkpoint
+    lr: Positive = 0.002
+    seed: NonNegative = 0
+    checkpoint: str | None = None  # default: <stage dir>/checkpoint.pt, on rank 0's host
+    resume: str | None = None  # a checkpoint to continue from, on rank 0's host
 
 
 def make_dataset(n: int, features: int, classes: int, seed: int, split: int) -> tuple[Any, Any]:
@@ -67,16 +64,16 @@ def run(ctx: Any) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    P = {k: _p(ctx.params, k) for k in DEFAULTS}
+    p = Params.model_validate(ctx.params)
     dev, rec, cuda = ctx.device, ctx.metrics, ctx.device.type == "cuda"
-    features, classes, seed = int(P["features"]), int(P["classes"]), int(P["seed"])
+    features, classes, seed = p.features, p.classes, p.seed
     torch.manual_seed(seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
-    model = make_model(features, int(P["hidden"]), classes).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=float(P["lr"]))
+    model = make_model(features, p.hidden, classes).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr)
     start_epoch, resumed_from = 0, None
-    if P["resume"]:
+    if p.resume:
         # the file may exist on rank 0's host only: rank 0 reads it, every rank loads its bytes
-        resumed_from, payload = _from_rank0(dist, ctx, lambda: _read_resume(P["resume"]))
+        resumed_from, payload = _from_rank0(dist, ctx, lambda: _read_resume(p.resume))
         # saved on cuda:0 (or wherever), read onto our device; optimizer state and epoch included
         state = torch.load(io.BytesIO(payload), map_location=dev, weights_only=True)
         model.load_state_dict(state["model"])
@@ -84,12 +81,12 @@ def run(ctx: Any) -> dict[str, Any]:
         start_epoch = int(state["epoch"])
     ddp = DDP(model, device_ids=[dev.index] if cuda else None)
 
-    x, y = make_dataset(int(P["n_train"]), features, classes, seed, split=0)
+    x, y = make_dataset(p.n_train, features, classes, seed, split=0)
     train = TensorDataset(x, y)
     sampler = DistributedSampler(train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True)
-    loader = DataLoader(train, batch_size=int(P["batch_size"]), sampler=sampler, pin_memory=cuda)
+    loader = DataLoader(train, batch_size=p.batch_size, sampler=sampler, pin_memory=cuda)
     loss_fn = nn.CrossEntropyLoss()
-    epochs = range(start_epoch, int(P["epochs"]))
+    epochs = range(start_epoch, p.epochs)
     stats = torch.zeros(max(len(epochs), 1), 3, device=dev, dtype=torch.float64)  # loss sum, correct, samples
     ddp.train()
     for i, epoch in enumerate(epochs):
@@ -106,7 +103,7 @@ def run(ctx: Any) -> dict[str, Any]:
                 stats[i, 1] += (out.argmax(dim=1) == yb).sum()
                 stats[i, 2] += yb.shape[0]
                 rec.step()
-    test = _evaluate(torch, ddp.module, dev, ctx, P)
+    test = _evaluate(torch, ddp.module, dev, ctx, p)
     totals = torch.cat([stats.flatten(), test])
     dist.all_reduce(totals)  # the one reduction: every rank's sums, once, at the end
     stats, test = totals[:-3].view(-1, 3), totals[-3:]
@@ -117,8 +114,8 @@ def run(ctx: Any) -> dict[str, Any]:
     rec.log("test/acc", test[1] / test[2])
 
     def save_and_read_back() -> tuple[str, bytes]:  # on rank 0, on rank 0's host
-        path = Path(P["checkpoint"]).expanduser() if P["checkpoint"] else ctx.stage_dir / "checkpoint.pt"
-        _save(torch, path, ddp.module, opt, int(P["epochs"]) if len(epochs) else start_epoch, ctx.world_size, P)
+        path = Path(p.checkpoint).expanduser() if p.checkpoint else ctx.stage_dir / "checkpoint.pt"
+        _save(torch, path, ddp.module, opt, p.epochs if len(epochs) else start_epoch, ctx.world_size, p)
         return str(path), path.read_bytes()
 
     path, payload = _from_rank0(dist, ctx, save_and_read_back)
@@ -136,9 +133,9 @@ def run(ctx: Any) -> dict[str, Any]:
     }
 
 
-def _evaluate(torch: Any, model: Any, dev: Any, ctx: Any, P: Mapping[str, Any]) -> Any:
+def _evaluate(torch: Any, model: Any, dev: Any, ctx: Any, p: Params) -> Any:
     """This rank's share of the test set: [loss sum, correct, samples] on the device."""
-    x, y = make_dataset(int(P["n_test"]), int(P["features"]), int(P["classes"]), int(P["seed"]), split=1)
+    x, y = make_dataset(p.n_test, p.features, p.classes, p.seed, split=1)
     x, y = x[ctx.rank :: ctx.world_size].to(dev), y[ctx.rank :: ctx.world_size].to(dev)
     model.eval()
     with torch.no_grad():
@@ -148,10 +145,10 @@ def _evaluate(torch: Any, model: Any, dev: Any, ctx: Any, P: Mapping[str, Any]) 
     return torch.stack([loss.double(), (out.argmax(dim=1) == y).sum().double(), torch.tensor(float(y.shape[0]), device=dev, dtype=torch.float64)])
 
 
-def _save(torch: Any, path: Path, model: Any, opt: Any, epoch: int, world_size: int, P: Mapping[str, Any]) -> None:
+def _save(torch: Any, path: Path, model: Any, opt: Any, epoch: int, world_size: int, p: Params) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    arch = {k: int(P[k]) for k in ("features", "hidden", "classes")}
+    arch = {"features": p.features, "hidden": p.hidden, "classes": p.classes}
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "world_size": world_size, "arch": arch}, tmp)
     os.replace(tmp, path)  # readers never see half a file
 

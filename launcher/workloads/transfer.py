@@ -19,9 +19,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from launcher.workloads._common import devices_label, host_barrier_group, med, ok_ranks, param, rnd, save_figure, wall_clock
+from launcher.workloads._common import (
+    Count,
+    NonNegative,
+    PositiveSizes,
+    WorkloadParams,
+    devices_label,
+    host_barrier_group,
+    med,
+    ok_ranks,
+    rnd,
+    save_figure,
+    wall_clock,
+)
 
-DEFAULTS = {"sizes_mb": [1, 16, 128], "repeats": 5, "warmup": 1}
+
+class Params(WorkloadParams):
+    sizes_mb: PositiveSizes = (1, 16, 128)  # MiB per copy
+    repeats: Count = 5  # timed copies per kind and size (median)
+    warmup: NonNegative = 1
+
+
 GPU_KINDS = ("h2d/pageable", "h2d/pinned", "d2h/pageable", "d2h/pinned")
 DESCRIPTIONS = {
     "h2d/pageable": "host->device, pageable",
@@ -34,15 +52,6 @@ DESCRIPTIONS = {
 }
 
 
-def _p(params: Mapping[str, Any], name: str) -> Any:
-    return param(params, DEFAULTS, name)
-
-
-def _sizes(params: Mapping[str, Any]) -> list[float]:
-    value = _p(params, "sizes_mb")
-    return [float(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
 def _numel(mb: float) -> int:
     return max(1, int(mb * 2**20) // 4)  # float32 elements
 
@@ -51,8 +60,8 @@ def run(ctx: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    sizes = _sizes(ctx.params)
-    repeats, warmup = int(_p(ctx.params, "repeats")), int(_p(ctx.params, "warmup"))
+    p = Params.model_validate(ctx.params)
+    sizes, repeats, warmup = p.sizes_mb, p.repeats, p.warmup
     dev, rec = ctx.device, ctx.metrics
 
     def measure(name: str, copy: Callable[[], Any]) -> None:
@@ -132,7 +141,7 @@ def _identity_checks(torch: Any, ctx: Any) -> dict[str, bool]:
 def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
     """GB/s per direction, memory kind and size (median over ranks), plus the identity checks."""
     ranks = ok_ranks(stages)
-    sizes = _sizes(params)
+    sizes = Params.model_validate(params).sizes_mb
     on_cuda = any(str(r["device"]).startswith("cuda") for r in ranks)
     kinds = (*GPU_KINDS, "d2d/peer", "pg/pingpong") if on_cuda else ("h2h/memcpy", "pg/pingpong")
     rows = []

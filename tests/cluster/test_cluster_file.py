@@ -93,7 +93,8 @@ def _plan(tmp_path: Path, nodes: int = 2):
     )
     inv = NodeInventory(hostname="x", cpu_count=4)
     targets = [NodeTarget(h.name, h.address, inv, h.python, h.ifname, ssh=h) for h in cluster.hosts[:nodes]]
-    job = load_job(REPO / "jobs" / "matmul_scaling.yaml", ["resources.nodes=2", f"params.note={NASTY!r}", f"env.GL={NASTY!r}"])
+    job = load_job(REPO / "jobs" / "matmul_scaling.yaml", ["resources.nodes=2", "entrypoint=tests.integration.faulty:run",
+                                                          f"params.note={NASTY!r}", f"env.GL={NASTY!r}"])
     return plan_stage(job, targets, 2, "cpu", run_dir=tmp_path / "runs; rm -rf ~" / "r'1", master_port=29999, backend="torchrun")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.conftest import NetnsCluster, sh
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,7 @@ def matmul_run(netns_cluster, tmp_path_factory):
     t0 = time.monotonic()
     done = netns_cluster.launch(
         "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(tmp / "runs"), *TINY,
+        "--set", "entrypoint=tests.cluster.noted_matmul:run", "--set", f"env.PYTHONPATH={REPO}",
         "--set", f"params.note={json.dumps(nasty)}", "--set", f"env.GL_PROBE={json.dumps(nasty)}",
     )
     elapsed = time.monotonic() - t0
@@ -71,6 +73,8 @@ def test_spec_values_reach_ranks_as_data_never_shell(matmul_run):
     assert not list(tmp.glob("pwned*")), "a spec value was run by a shell"
     worker = json.loads((run_dirs[0] / "world3" / "worker.json").read_text())
     assert worker["params"]["note"] == nasty
+    result = json.loads((run_dirs[0] / "result.json").read_text())
+    assert sorted(r["host"] for r in result["ranks"] if r["result"]["note"] == nasty) == ["h1", "h2", "h3"]
     spec = (run_dirs[0] / "spec.yaml").read_text()
     assert "GL_PROBE" in spec
 

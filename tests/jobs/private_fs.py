@@ -9,11 +9,17 @@ without a shared filesystem. Needs CAP_SYS_ADMIN (root); ``mount_works`` says wh
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import subprocess
 from typing import Any
 
+from launcher.workloads import train
 from launcher.workloads.train import plot, summarize  # noqa: F401 - the job's own table and plots
+
+
+class Params(train.Params):
+    private_dir: str  # hidden from every rank but 0
 
 CLONE_NEWNS = 0x00020000
 MS_REC, MS_PRIVATE = 0x4000, 0x40000
@@ -48,11 +54,9 @@ def mount_works() -> bool:
 
 
 def run(ctx: Any) -> dict[str, Any]:
-    from launcher.workloads import train
-
-    private = ctx.params["private_dir"]
+    private = Params.model_validate(ctx.params).private_dir
     if ctx.rank != 0:
         hide(private)
     sees = sorted(os.listdir(private))  # what this rank sees before the job runs
-    result = train.run(ctx)
+    result = train.run(dataclasses.replace(ctx, params={k: v for k, v in ctx.params.items() if k != "private_dir"}))
     return {**result, "private_dir_listing": sees}

@@ -67,7 +67,8 @@ def test_a_workload_summary_that_raises_is_noted_and_the_results_stay(tmp_path):
     t0 = 1000.0
     one = StageOutcome(_plan(tmp_path, 1), "succeeded", t0, t0 + 3, reports=[_report(0, 1, 10.0, t0)])
     result = aggregate([one], job="j", run_id="r", backend="torchrun", spec={}, spec_hash="x",
-                       entrypoint="launcher.workloads.matmul:run", params={"sizes": 64, "iters": 10}, started_at=t0)
+                       entrypoint="launcher.workloads.matmul:run", params={"sizes": [64], "iters": 10, "retired": 1}, started_at=t0)
+    # e.g. `launch report` on a run whose params the workload no longer accepts
     assert result["status"] == "succeeded" and len(result["ranks"]) == 1
-    assert result["summary"]["error"].startswith("TypeError: ")
+    assert result["summary"]["error"].startswith("ValidationError: ")
     assert result["summary"]["steps_per_rank"] == 10

@@ -9,6 +9,7 @@ import pytest
 
 from launcher.errors import SpecError
 from launcher.spec import load_job, mask_env
+from tests.conftest import REPO
 
 GOOD = """\
 name: tiny
@@ -148,3 +149,33 @@ def test_an_entrypoint_is_found_on_the_specs_own_pythonpath(tmp_path):
     assert load_job(write(tmp_path, text)).spec.entrypoint == "gl_probe_workload:run"
     (line,) = problems(write(tmp_path, "name: j\nentrypoint: gl_probe_workload:run\n", "bare.yaml"))
     assert "module 'gl_probe_workload' not found on the Python path" in line
+
+
+def test_a_module_without_params_is_read_never_imported(tmp_path):
+    (tmp_path / "gl_heavy_workload.py").write_text("raise SystemExit('imported by the launcher')\n\ndef run(ctx):\n    return {}\n")
+    text = f"name: j\nentrypoint: gl_heavy_workload:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\nparams: {{anything: [1, 2]}}\n"
+    assert load_job(write(tmp_path, text)).spec.params["anything"] == [1, 2]
+
+
+def test_a_users_params_model_checks_params_with_file_and_line(tmp_path):
+    (tmp_path / "gl_typed_workload.py").write_text(
+        "from pydantic import BaseModel, ConfigDict, PositiveInt\n\n\n"
+        "class Params(BaseModel):\n    model_config = ConfigDict(extra='forbid')\n    epochs: PositiveInt = 1\n    lr: float = 0.1\n\n\n"
+        "def run(ctx):\n    return {}\n"
+    )
+    head = f"name: j\nentrypoint: gl_typed_workload:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\n"
+    assert load_job(write(tmp_path, head + "params: {epochs: 3, lr: 0.5}\n")).spec.params == {"epochs": 3, "lr": 0.5}
+    bad = write(tmp_path, head + "params:\n  epoch: 3\n  lr: fast\n", "bad.yaml")
+    assert sorted(problems(bad)) == [
+        f"{bad}:5: params.epoch: unknown key, did you mean 'epochs'?",
+        f"{bad}:6: params.lr: expected a valid number, unable to parse string as a number (got 'fast')",
+    ]
+
+
+@pytest.mark.parametrize("job", sorted(p.stem for p in (REPO / "jobs").glob("*.yaml")))
+def test_every_shipped_job_fits_its_workloads_params(job):
+    from launcher.entrypoint import check_entrypoint
+
+    loaded = load_job(REPO / "jobs" / f"{job}.yaml")
+    model = check_entrypoint(loaded.spec.entrypoint, "", loaded.path)
+    assert model is not None and model.model_validate(dict(loaded.spec.params))
