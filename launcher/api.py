@@ -238,7 +238,7 @@ def finish_run(
         spec=_masked_spec(loaded),
         spec_hash=loaded.spec.fingerprint(),
         entrypoint=loaded.spec.entrypoint,
-        params=loaded.spec.params,
+        params=loaded.resolved_params,
         started_at=started,
     )
     result["run_dir"] = str(run_dir)

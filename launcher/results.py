@@ -109,6 +109,7 @@ def aggregate(
         "world_sizes": [s["world_size"] for s in stage_docs],
         "spec_hash": spec_hash,
         "spec": dict(spec),
+        "params": dict(params),  # what the ranks ran with, the workload's defaults included
         "started_at": started_at,
         "finished_at": time.time(),
         "wall_s": round(time.time() - started_at, 4),

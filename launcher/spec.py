@@ -160,6 +160,9 @@ class LoadedJob(BaseModel):
     spec: JobSpec
     path: Path
     base_dir: Path
+    # the params the ranks will run with: the workload's defaults filled in where its module
+    # declares a Params model; the spec's params as written where it does not
+    resolved_params: FrozenMap = Field(default_factory=dict)
 
     def script_path(self) -> Path | None:
         return None if self.spec.script is None else (self.base_dir / self.spec.script).resolve()
@@ -171,9 +174,9 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
     sourced = _with_bases(load_yaml(path, what="job spec"), path, chain=(path.resolve(),))
     sourced = _apply_overrides(sourced, overrides)
     spec = _validate(sourced)
-    loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent)
-    check_references(loaded, sourced)
-    return loaded
+    loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent, resolved_params=spec.params)
+    resolved = check_references(loaded, sourced)
+    return loaded if resolved is None else loaded.model_copy(update={"resolved_params": MappingProxyType(resolved)})
 
 
 def _with_bases(sourced: SourcedData, path: Path, chain: tuple[Path, ...]) -> SourcedData:
@@ -230,9 +233,10 @@ def _validate(sourced: SourcedData) -> JobSpec:
         raise SpecError(located_problems(exc, sourced, JobSpec, pattern_hints=PATTERN_HINTS)) from None
 
 
-def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> None:
+def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> dict[str, Any] | None:
     """The entrypoint's module and the script must exist before anything is spawned, and the
-    params must fit the entrypoint's ``Params`` model when it declares one."""
+    params must fit the entrypoint's ``Params`` model when it declares one. Returns the params
+    with the model's defaults filled in (None without a model)."""
     spec, where = loaded.spec, loaded.path
     if spec.script is not None:
         script = loaded.script_path()
@@ -243,10 +247,11 @@ def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> N
         model = check_entrypoint(spec.entrypoint, spec.env.get("PYTHONPATH", ""), where)
         if model is not None:
             try:
-                model.model_validate(dict(spec.params))
+                return model.model_validate(dict(spec.params)).model_dump(mode="json")
             except ValidationError as exc:
                 at = sourced or SourcedData(None, origin=Location(str(where)))
                 raise SpecError(located_problems(exc, at, model, ("params",))) from None
+    return None
 
 
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:

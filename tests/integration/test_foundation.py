@@ -29,6 +29,8 @@ def test_matmul_scaling_runs_world_sizes_1_and_2(matmul_run):
     assert result["schema_version"] == 1
     assert (result["job"], result["backend"], result["status"]) == ("matmul_scaling", "torchrun", "succeeded")
     assert result["world_sizes"] == [1, 2] and result["world_size"] == 2
+    assert result["params"] == {"sizes": [32, 64], "iters": 3, "warmup": 1, "dtype": "float32",
+                                "concurrent_size": None, "concurrent_iters": None}  # what the ranks ran with
     assert set(result["phases"]) >= {"spawn", "rendezvous", "run", "aggregate"}
     assert all(v is not None and v >= 0 for v in result["phases"].values())
     ranks = [r for r in result["ranks"] if r["world_size"] == 2]

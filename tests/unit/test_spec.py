@@ -172,6 +172,16 @@ def test_a_users_params_model_checks_params_with_file_and_line(tmp_path):
     ]
 
 
+def test_resolved_params_fill_in_the_workloads_defaults(tmp_path):
+    job = load_job(write(tmp_path, "name: j\nentrypoint: launcher.workloads.sync_logging:run\nparams: {steps: 40, n: 16}\n"))
+    assert dict(job.spec.params) == {"steps": 40, "n": 16}  # as written
+    assert dict(job.resolved_params) == {"steps": 40, "n": 16, "repeats": 3, "warmup": 1, "dtype": "float32", "seed": 0}
+    untyped = tmp_path / "gl_untyped_workload.py"
+    untyped.write_text("def run(ctx):\n    return {}\n")
+    text = f"name: j\nentrypoint: gl_untyped_workload:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\nparams: {{a: 1}}\n"
+    assert dict(load_job(write(tmp_path, text, "untyped.yaml")).resolved_params) == {"a": 1}
+
+
 @pytest.mark.parametrize("job", sorted(p.stem for p in (REPO / "jobs").glob("*.yaml")))
 def test_every_shipped_job_fits_its_workloads_params(job):
     from launcher.entrypoint import check_entrypoint
