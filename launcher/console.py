@@ -6,11 +6,17 @@
 
 from __future__ import annotations
 
+import re
 import threading
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
 
-from rich.console import Console
+from rich import box
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, JustifyMethod, RenderResult
 from rich.live import Live
+from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -25,9 +31,7 @@ def devices_table(inv: NodeInventory, cpu_workers: int) -> list[Any]:
     """A compact ``nvidia-smi``: one row per visible GPU, or a plain word that there is none."""
     out: list[Any] = []
     if inv.gpus:
-        table = Table(title=f"{inv.hostname}: {inv.gpu_count} GPU(s), {inv.cpu_count} CPU core(s)")
-        for col in ("idx", "name", "memory used / total (MiB)", "util", "uuid"):
-            table.add_column(col)
+        rows = []
         for g in inv.gpus:
             used = "?" if g.memory_used_mib is None else str(g.memory_used_mib)
             util = "?" if g.utilization_pct is None else f"{g.utilization_pct}%"
@@ -35,8 +39,15 @@ def devices_table(inv: NodeInventory, cpu_workers: int) -> list[Any]:
                 shown = f"{g.index} (MIG)"
             else:
                 shown = f"{g.index}" if g.index == g.physical_index else f"{g.index} (phys {g.physical_index})"
-            table.add_row(shown, g.name, f"{used} / {g.memory_total_mib}", util, g.uuid)
-        out.append(table)
+            rows.append((shown, g.name, f"{used} / {g.memory_total_mib}", util, g.uuid))
+        columns = [
+            _Col("idx", justify="left"),
+            _Col("name", justify="left", whole=False),
+            _Col("memory used / total (MiB)", justify="left"),
+            _Col("util", justify="left"),
+            _Col("uuid", justify="left", whole=False),
+        ]
+        out.append(_FittedTable(f"{inv.hostname}: {inv.gpu_count} GPU(s), {inv.cpu_count} CPU core(s)", columns, rows))
     else:
         out.append(
             Text(
@@ -51,13 +62,16 @@ def devices_table(inv: NodeInventory, cpu_workers: int) -> list[Any]:
 def plan_renderables(plans: Sequence[LaunchPlan], commands: Sequence[Sequence[str]]) -> list[Any]:
     """Per stage: the rank table, each node's env, and what the backend would run (its own lines)."""
     out: list[Any] = []
+    # host names and log paths may wrap: they are what is long, the rest is short and must stay whole
+    names = ("rank", "node", "host", "local", "device", "pg", "log")
+    columns = [_Col(name, justify="left", whole=name not in ("host", "log")) for name in names]
     for plan, cmds in zip(plans, commands):
-        table = Table(title=f"{plan.job}: world size {plan.world_size}, rendezvous {plan.master_addr}:{plan.master_port}")
-        for col in ("rank", "node", "host", "local", "device", "pg", "log"):
-            table.add_column(col)
-        for r in plan.ranks:
-            table.add_row(str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, r.pg_backend, r.log_path)
-        out.append(table)
+        rows = [
+            (str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, r.pg_backend, r.log_path)
+            for r in plan.ranks
+        ]
+        title = f"{plan.job}: world size {plan.world_size}, rendezvous {plan.master_addr}:{plan.master_port}"
+        out.append(_FittedTable(title, columns, rows))
         for node in plan.nodes:
             env = " ".join(f"{k}={v}" for k, v in mask_env(node.env).items())
             out.append(Text(f"[{node.host}] env: {env}", style="dim"))
@@ -66,29 +80,26 @@ def plan_renderables(plans: Sequence[LaunchPlan], commands: Sequence[Sequence[st
 
 
 def summary_renderables(result: Mapping[str, Any]) -> list[Any]:
+    """The end-of-run summary: one row per stage, the workload's own table and conclusions, any failure."""
     out: list[Any] = []
-    stages = Table(title=f"{result['job']} [{result['backend']}]: {result['status']}")
-    for col in ("world", "status", "restarts", "wall s", "spawn", "import", "rendezvous", "run", "to 1st step"):
-        stages.add_column(col, justify="right")
-    for s in result["stages"]:
-        p = s["phases"]
-        stages.add_row(
+    stage_rows = [
+        (
             str(s["world_size"]),
             s["status"],
             str(s["restarts"]),
             f"{s['wall_s']:.2f}",
-            *(_seconds(p.get(k)) for k in ("spawn", "import", "rendezvous", "run", "to_first_step")),
+            *(_seconds(s["phases"].get(k)) for k in ("spawn", "import", "rendezvous", "run", "to_first_step")),
         )
-    out.append(stages)
+        for s in result["stages"]
+    ]
+    out.append(_FittedTable(f"{result['job']} [{result['backend']}]: {result['status']}", _STAGE_COLUMNS, stage_rows))
     summary = result.get("summary") or {}
     if summary.get("rows"):
-        table = Table(title=summary.get("title", "summary"))
-        columns = summary.get("columns") or list(summary["rows"][0])
-        for col in columns:
-            table.add_column(col, justify="right")
-        for row in summary["rows"]:
-            table.add_row(*(_cell(row.get(c)) for c in columns))
-        out.append(table)
+        names = summary.get("columns") or list(summary["rows"][0])
+        rows = [[_cell(row.get(c)) for c in names] for row in summary["rows"]]
+        # a column of words (transfer's "host memcpy (no device)") may wrap; numbers and single tokens stay whole
+        columns = [_Col(c, whole=not any(" " in row[i] for row in rows)) for i, c in enumerate(names)]
+        out.append(_FittedTable(summary.get("title", "summary"), columns, rows))
     for line in summary.get("conclusions", ()):
         out.append(Text(f"• {line}"))
     if summary.get("error"):
@@ -115,6 +126,148 @@ def failure_renderables(failure: Mapping[str, Any]) -> list[Any]:
     if failure.get("stuck_ranks"):
         out.append(Text(f"stuck ranks (stacks dumped to their logs): {failure['stuck_ranks']}", style="yellow"))
     return out
+
+
+@dataclass(frozen=True)
+class _Col:
+    """A column of a ``_FittedTable``. ``short``: its name where the full one does not fit.
+    ``whole``: its cells keep one line (statuses, numbers); otherwise (paths, host names, GPU
+    models) a long cell may wrap or fold, since it is these that the table narrows first."""
+
+    name: str
+    short: str | None = None
+    justify: JustifyMethod = "right"
+    whole: bool = True
+
+
+_STAGE_COLUMNS = (
+    _Col("world"),
+    _Col("status"),
+    _Col("restarts"),
+    _Col("wall s"),
+    _Col("spawn"),
+    _Col("import"),
+    _Col("rendezvous", short="rdzv"),  # torchrun's own word for it (--rdzv-backend)
+    _Col("run"),
+    _Col("to 1st step"),
+)
+
+# How a table may be drawn, roomiest first, each with whether it takes the columns' short names:
+# rich's boxed table; no frame, a rule under the headers and two spaces between columns; the
+# same with short names; one space.
+_FRAMELESS: dict[str, Any] = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False}
+_TWO_SPACES = {**_FRAMELESS, "collapse_padding": True}
+_LAYOUTS: tuple[tuple[dict[str, Any], bool], ...] = (
+    ({}, False),
+    (_TWO_SPACES, False),
+    (_TWO_SPACES, True),
+    ({**_FRAMELESS, "padding": 0}, True),
+)
+_FLEX_MIN = 16  # a column of wrapping cells (whole=False) gets at least this many characters, or its header's width
+_UNBOUNDED = 100_000  # wider than any console: measures a table's natural width
+
+
+class _FittedTable:
+    """A table laid out for the width it is printed at, so that no status or number is cut short.
+
+    Left to itself, rich shortens the widest columns whatever they hold ("succe…"). Here the
+    table takes the first of ``_LAYOUTS`` in which every ``whole`` cell fits on one line: its
+    widest headers wrap (at spaces, after underscores) and its ``whole=False`` columns narrow
+    first. A wide console gets rich's usual boxed table; an 80-column one (or a pipe, which
+    rich takes as 80 columns) may get the frameless one. Where even the tightest does not fit,
+    the widest columns narrow and their cells fold onto more lines rather than lose characters.
+    """
+
+    def __init__(self, title: str, columns: Sequence[_Col], rows: Iterable[Sequence[str]]) -> None:
+        self.title = title
+        self.columns = tuple(columns)
+        self.rows = [tuple(row) for row in rows]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        floors = [max((cell_len(row[i]) for row in self.rows), default=0) for i in range(len(self.columns))]
+        for style, short in _LAYOUTS:
+            names = [(c.short or c.name) if short else c.name for c in self.columns]
+            room = options.max_width - _chrome(console, options, style, len(self.columns))
+            headers, widths = _fit(self.columns, names, floors, room)
+            if sum(widths) <= room:
+                break
+        else:  # no layout keeps every status and number whole: fold the widest, not every column a little
+            widths = _narrow(widths, [1] * len(widths), room)
+        yield self._table(style, headers, widths)
+
+    def _table(self, style: Mapping[str, Any], headers: Sequence[str], widths: Sequence[int]) -> Table:
+        # escape: "job [torchrun]: ..." is text; as rich markup the "[torchrun]" would vanish
+        table = Table(title=escape(self.title), **style)
+        for col, header, width in zip(self.columns, headers, widths):
+            # the widths are ours, so rich wraps within them instead of choosing which column to cut
+            table.add_column(escape(header), justify=col.justify, overflow="fold", width=width)
+        for row in self.rows:
+            table.add_row(*(Text(cell) for cell in row))
+        return table
+
+
+def _chrome(console: Console, options: ConsoleOptions, style: Mapping[str, Any], columns: int) -> int:
+    """Characters a layout spends on borders and padding: the width of a table of 1-wide columns, less those."""
+    probe = Table(**style)
+    for _ in range(columns):
+        probe.add_column(width=1)
+    return Measurement.get(console, options.update_width(_UNBOUNDED), probe).maximum - columns
+
+
+def _fit(columns: Sequence[_Col], names: Sequence[str], floors: Sequence[int], room: int) -> tuple[list[str], list[int]]:
+    """Headers and column widths for ``room`` characters, or as near as they get: the widest
+    headers wrap first, then the widest ``whole=False`` columns narrow, down to ``_FLEX_MIN``.
+    ``floors``: each column's widest cell."""
+    natural = sum(max(_text_width(n), f) for n, f in zip(names, floors))
+    headers = _wrap_headers(names, floors, natural - room)
+    widths = [max(_text_width(h), f) for h, f in zip(headers, floors)]
+    least = [w if c.whole else max(_text_width(h), min(w, _FLEX_MIN)) for c, h, w in zip(columns, headers, widths)]
+    return headers, _narrow(widths, least, room)
+
+
+def _narrow(widths: Sequence[int], least: Sequence[int], room: int) -> list[int]:
+    """Take a character at a time from the widest column still above its ``least`` until the
+    widths fit ``room`` or none can give more."""
+    out = list(widths)
+    while sum(out) > room:
+        narrower = [i for i, (w, m) in enumerate(zip(out, least)) if w > m]
+        if not narrower:
+            break
+        out[max(narrower, key=lambda i: out[i])] -= 1
+    return out
+
+
+def _wrap_headers(headers: Sequence[str], floors: Sequence[int], excess: int) -> list[str]:
+    """Wrap the widest headers, one at a time, until ``excess`` characters are saved or none
+    can wrap any narrower. ``floors``: each column's widest cell, below which wrapping saves nothing."""
+    out = list(headers)
+    while excess > 0:
+        widths = [max(floor, _text_width(h)) for h, floor in zip(out, floors)]
+        for i in sorted(range(len(out)), key=lambda i: -widths[i]):
+            wrapped = _wrap_words(headers[i], widths[i] - 1)
+            saved = widths[i] - max(floors[i], _text_width(wrapped))
+            if saved > 0:
+                out[i], excess = wrapped, excess - saved
+                break
+        else:
+            break
+    return out
+
+
+def _wrap_words(text: str, width: int) -> str:
+    """``text`` on lines of at most ``width`` characters, broken after spaces and underscores
+    (``gflops_per_rank``); a word longer than ``width`` keeps a line of its own."""
+    lines: list[str] = []
+    for part in re.split(r"(?<=[ _])", text):
+        if lines and cell_len((lines[-1] + part).rstrip()) <= width:
+            lines[-1] += part
+        else:
+            lines.append(part)
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _text_width(text: str) -> int:
+    return max(cell_len(line) for line in text.split("\n"))
 
 
 def _seconds(value: float | None) -> str:

@@ -1,0 +1,132 @@
+"""What the console prints keeps every status, number and path whole on an 80-column console.
+
+Rich, left to itself, shortens the widest columns of a table whatever they hold: at 80 columns
+the run summary read ``succe…`` for ``succeeded``. The result rendered here comes from a real
+(tiny) run, so its fields are the ones ``launch`` prints at the end of every run.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from launcher.api import dry_run, run_job
+from launcher.console import (
+    RunUI,
+    _cell,
+    devices_table,
+    plan_renderables,
+    summary_renderables,
+)
+from launcher.devices import NodeInventory, parse_nvidia_smi_csv
+from launcher.spec import load_job
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = REPO / "jobs" / "matmul_scaling.yaml"
+# the cells of one printed table line, whichever borders the layout draws between them
+CELLS = re.compile(r"[^\s│┃]+")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """result.json of a real run: the matmul job on one CPU worker (or GPU), tiny sizes."""
+    quiet = RunUI(Console(file=io.StringIO()), quiet=True)
+    overrides = ["params.sizes=[32]", "params.iters=2", "scaling.workers=[1]"]
+    run = run_job(JOB, overrides=overrides, out=tmp_path_factory.mktemp("runs"), ui=quiet)
+    assert run.ok, run.data.get("failure")
+    return dict(run.data)
+
+
+def render(things: list[Any], width: int) -> str:
+    console = Console(width=width, record=True, file=io.StringIO())
+    for thing in things:
+        console.print(thing)
+    return console.export_text()
+
+
+def assert_fits(text: str, width: int) -> None:
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= width, text
+
+
+def stage_cells(stage: dict[str, Any]) -> list[str]:
+    """The stage table's row for ``stage``: world size, status, restarts, then seconds to 2 decimals."""
+    phases = [stage["phases"][k] for k in ("spawn", "import", "rendezvous", "run", "to_first_step")]
+    seconds = ["-" if s is None else f"{s:.2f}" for s in (stage["wall_s"], *phases)]
+    return [str(stage["world_size"]), stage["status"], str(stage["restarts"]), *seconds]
+
+
+def assert_rows(text: str, rows: list[list[str]]) -> None:
+    """Every row is one printed line holding exactly its cells, none cut, folded or merged."""
+    lines = [CELLS.findall(line) for line in text.splitlines()]
+    for row in rows:
+        assert row in lines, f"no line holds {row}:\n{text}"
+
+
+def test_the_stage_table_keeps_statuses_and_numbers_whole_at_80_columns(result: dict[str, Any]) -> None:
+    text = render(summary_renderables(result), 80)
+    assert_fits(text, 80)
+    assert "succeeded" in text
+    assert_rows(text, [stage_cells(s) for s in result["stages"]])
+    assert f"[{result['backend']}]" in text  # the title's "[torchrun]" is text, not rich markup
+
+
+@pytest.mark.parametrize("status", ["succeeded", "failed", "timeout", "interrupted"])  # StageOutcome.status
+def test_every_stage_status_fits_a_day_long_run_at_80_columns(result: dict[str, Any], status: str) -> None:
+    long_run = copy.deepcopy(result)
+    for stage in long_run["stages"]:
+        stage.update(status=status, restarts=12, wall_s=86399.994)
+        stage["phases"].update(run=86000.123, to_first_step=412.5)
+    text = render(summary_renderables(long_run), 80)
+    assert_fits(text, 80)
+    assert_rows(text, [stage_cells(s) for s in long_run["stages"]])
+
+
+def test_a_wide_console_keeps_the_boxed_table_with_one_line_headers(result: dict[str, Any]) -> None:
+    text = render(summary_renderables(result), 120)
+    header = next(line for line in text.splitlines() if "world" in line)
+    assert header.startswith("┃ world ┃") and "┃ rendezvous ┃" in header and "┃ to 1st step ┃" in header
+    assert_rows(text, [stage_cells(s) for s in result["stages"]])
+
+
+@pytest.mark.parametrize("width", [60, 80])
+@pytest.mark.parametrize("scale", [1, 100_000])  # as measured here, and GPU-sized GFLOP/s ("93,412")
+def test_the_workload_table_keeps_numbers_whole(result: dict[str, Any], width: int, scale: int) -> None:
+    scaled = copy.deepcopy(result)
+    summary = scaled["summary"]
+    for row in summary["rows"]:
+        row["gflops"] *= scale
+        row["gflops_per_rank"] *= scale
+    text = render(summary_renderables(scaled)[1:2], width)
+    assert_fits(text, width)
+    assert_rows(text, [[_cell(row[c]) for c in summary["columns"]] for row in summary["rows"]])
+
+
+def test_the_dry_run_plan_keeps_log_paths_whole_at_80_columns(tmp_path: Path) -> None:
+    dry = dry_run(load_job(JOB), out=tmp_path)
+    text = render(plan_renderables(dry.plans, dry.commands), 80)
+    assert_fits(text, 80)
+    # a log path may fold onto a second line, inside its column, and is the last column
+    joined = "".join(CELLS.findall(text))
+    for plan in dry.plans:
+        for r in plan.ranks:
+            assert r.log_path in joined
+            short = [str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, r.pg_backend]
+            assert any(cells[:6] == short for cells in map(CELLS.findall, text.splitlines())), text
+
+
+def test_the_device_table_keeps_uuids_whole_at_80_columns() -> None:
+    csv = (REPO / "tests" / "unit" / "data" / "nvidia_smi_h100x4.csv").read_text()
+    inv = NodeInventory("gpu-node-017.cluster.internal", 224, tuple(parse_nvidia_smi_csv(csv)))
+    text = render(devices_table(inv, 2), 80)
+    assert_fits(text, 80)
+    joined = "".join(CELLS.findall(text))
+    for gpu in inv.gpus:
+        assert gpu.uuid in joined
+        assert f"{gpu.memory_used_mib} / {gpu.memory_total_mib}" in text
