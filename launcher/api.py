@@ -23,7 +23,7 @@ from launcher import backends
 from launcher.backends.base import Backend
 from launcher.devices import discover
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
-from launcher.plan import LaunchPlan, NodeTarget, make_plans, plan_stage, stage_sizes
+from launcher.plan import LaunchPlan, NodeTarget, device_notes, make_plans, plan_stage, stage_sizes
 from launcher.procutil import free_port
 from launcher.results import RunResult, aggregate
 from launcher.spec import LoadedJob, load_job, mask_env
@@ -37,6 +37,7 @@ class DryRun:
     job: LoadedJob
     plans: tuple[LaunchPlan, ...]
     commands: tuple[tuple[str, ...], ...]  # per plan, per node
+    notes: tuple[str, ...] = ()  # what the plan decided that the spec did not say outright
 
 
 def local_node(visible_override: str | None = None) -> NodeTarget:
@@ -94,8 +95,10 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
 
         config = load_cluster(Path(cluster_file) if cluster else job.base_dir / cluster_file)
         return f"{name}: {len(config.hosts)} host(s) in {cluster_file}, checked over SSH when it runs"
-    device_type, sizes = stage_sizes(job, resolve_nodes(job, None))
-    return f"{name}: world sizes {sizes} on {device_type} here"
+    nodes = resolve_nodes(job, None)
+    device_type, sizes = stage_sizes(job, nodes)
+    notes = "".join(f"; note: {n}" for n in device_notes(job, nodes, device_type))
+    return f"{name}: world sizes {sizes} on {device_type} here{notes}"
 
 
 def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
@@ -104,7 +107,8 @@ def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "ru
     run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
     plans = make_plans(job, nodes, run_dir=run_dir, master_port=_rendezvous_port(nodes), backend=name)
     commands = tuple(tuple(backend_cls.describe_plan(plan)) for plan in plans)
-    return DryRun(job, tuple(plans), commands)
+    notes = tuple(device_notes(job, nodes, plans[0].worker.device_type)) if plans else ()
+    return DryRun(job, tuple(plans), commands, notes)
 
 
 def _plan_factory(
@@ -189,6 +193,8 @@ def run_job(
         if nodes is None:  # a Ray cluster: plan on what it has, known once connected
             nodes = backend_cls.pool_nodes(loaded)
         device_type, sizes = stage_sizes(loaded, nodes)
+        for note in device_notes(loaded, nodes, device_type):
+            ui.note(note)
         for size in sizes:
             if stop:
                 cut_short = {"reason": "interrupted", "summary": f"stopped by {stop.reason} before the stage of world size {size}"}

@@ -81,6 +81,8 @@ def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
     console = Console()
     for thing in plan_renderables(dry.plans, dry.commands):
         console.print(thing)
+    for note in dry.notes:
+        console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
     console.print("dry run: nothing was started")
     return EXIT_OK
 

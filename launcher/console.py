@@ -304,6 +304,9 @@ class RunUI:
         with self._lock:
             self.console.print(Text.assemble((f"{source} ", style), text), highlight=False, markup=False, soft_wrap=True)
 
+    def note(self, text: str) -> None:
+        self.print(Text(f"note: {text}", style="yellow"))
+
     def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
         self.print(Text(f"▶ {job}: world size {world_size} on {device_type} ({backend})", style="bold"))
         if self.console.is_terminal and not self.quiet:

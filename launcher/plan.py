@@ -164,6 +164,19 @@ def choose_device(job: LoadedJob, nodes: Sequence[NodeTarget]) -> str:
     return "cuda"
 
 
+def device_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str) -> list[str]:
+    """What the plan decided that the spec did not say outright. A spec written for a GPU box
+    (``gpus_per_node: 8``) still runs on a laptop's CPU under ``device: auto``, but says so."""
+    res = job.spec.resources
+    if device_type != "cpu" or res.device != "auto" or res.gpus_per_node in ("auto", 0):
+        return []
+    bare = next(n.name for n in nodes if n.inventory.gpu_count == 0)
+    return [
+        f"resources.gpus_per_node is {res.gpus_per_node}, but {bare} has no visible GPU: running on the CPU "
+        f"with resources.cpu_workers instead (resources.device: cuda makes this an error)"
+    ]
+
+
 def procs_per_node(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str) -> int:
     res = job.spec.resources
     if device_type == "cuda":

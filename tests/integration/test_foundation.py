@@ -138,6 +138,18 @@ def test_validate_checks_every_job(repo):
     assert done.stdout.count("ok  ") == len(specs)
 
 
+def test_gpus_asked_for_without_a_gpu_run_on_the_cpu_and_say_so(tmp_path):
+    # no GPU visible to the ranks, on this machine or on one with GPUs
+    gpus = ["--set", "resources.gpus_per_node=2", "--set", "scaling.workers=[1]", "--set", "env.CUDA_VISIBLE_DEVICES="]
+    note = "note: resources.gpus_per_node is 2, but"
+    checked = launch("validate", "jobs/matmul_scaling.yaml", *gpus)
+    assert checked.returncode == 0 and "on cpu here; " + note in checked.stdout, checked.stdout
+    ran = launch("jobs/matmul_scaling.yaml", *gpus, *TINY, "--out", str(tmp_path), env={"COLUMNS": "400"})
+    assert ran.returncode == 0 and note in ran.stdout and "running on the CPU" in ran.stdout, ran.stdout + ran.stderr
+    (run_dir,) = (tmp_path / "matmul_scaling").iterdir()
+    assert {r["device"] for r in json.loads((run_dir / "result.json").read_text())["ranks"]} == {"cpu"}
+
+
 def test_bad_spec_exits_2_with_one_line_and_no_run(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nentrypoint: launcher.workloads.matmul:run\nresources: {gpus_per_nod: 2}\n")

@@ -143,3 +143,16 @@ def test_the_timeouts_reach_the_worker(tmp_path):
     from launcher.plan import WorkerConfig
 
     assert WorkerConfig.from_json(plan.worker.to_json()) == plan.worker
+
+
+def test_gpus_asked_for_on_a_cpu_only_node_run_on_the_cpu_and_say_so(tmp_path):
+    from launcher.plan import device_notes
+
+    spec = job(tmp_path, "resources: {gpus_per_node: 4, cpu_workers: 2}\n")
+    laptop = [node("laptop", cpus=8)]
+    (plan,) = make_plans(spec, laptop, run_dir=tmp_path / "run", master_port=41234)
+    assert [r.device for r in plan.ranks] == ["cpu", "cpu"]
+    (note,) = device_notes(spec, laptop, "cpu")
+    assert note.startswith("resources.gpus_per_node is 4, but laptop has no visible GPU: running on the CPU")
+    assert device_notes(job(tmp_path, "resources: {gpus_per_node: auto}\n"), laptop, "cpu") == []
+    assert device_notes(spec, [node("g", "nvidia_smi_h100x4.csv")], "cuda") == []
