@@ -107,11 +107,13 @@ def test_python_api_returns_the_result(tmp_path):
 
 
 def test_dry_run_prints_plan_and_torchrun_commands_and_spawns_nothing(tmp_path):
-    done = launch("jobs/matmul_scaling.yaml", "--dry-run", "--out", str(tmp_path))
+    done = launch("jobs/sync_logging.yaml", "--dry-run", "--out", str(tmp_path), "--set", "params.steps=10")
     assert done.returncode == 0, done.stderr
     text = done.stdout.replace("\n", " ")
     assert "torchrun --nnodes=1 --nproc-per-node=2" in text and "--rdzv-backend=static" in text
     assert "gloo" in text and "nothing was started" in text
+    params = next(line for line in done.stdout.splitlines() if line.startswith("params: "))
+    assert json.loads(params.removeprefix("params: ")) == {"steps": 10, "n": 100, "repeats": 3, "warmup": 1, "dtype": "float32", "seed": 0}
     assert not any(tmp_path.iterdir())
 
 
