@@ -244,14 +244,15 @@ def finish_run(
         spec=_masked_spec(loaded),
         spec_hash=loaded.spec.fingerprint(),
         entrypoint=loaded.spec.entrypoint,
-        params=loaded.resolved_params,
+        params=loaded.params,
         started_at=started,
+        pythonpath=loaded.spec.env.get("PYTHONPATH", ""),
     )
     result["run_dir"] = str(run_dir)
     if cut_short is not None:
         result["status"] = "interrupted" if cut_short["reason"] == "interrupted" else "failed"
         result["failure"] = dict(cut_short)
-    plots = attach_plots(result, run_dir, loaded.spec.entrypoint)
+    plots = attach_plots(result, run_dir, loaded.spec.entrypoint, loaded.spec.env.get("PYTHONPATH", ""))
     result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
     write_result(run_dir, result)
     ui.finished(result, str(run_dir))

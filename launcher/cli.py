@@ -81,8 +81,8 @@ def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
     console = Console()
     for thing in plan_renderables(dry.plans, dry.commands):
         console.print(thing)
-    if dry.job.resolved_params:  # what the ranks would run with, the workload's defaults included
-        console.print(f"params: {json.dumps(dict(dry.job.resolved_params))}", markup=False, highlight=False, soft_wrap=True)
+    if dry.job.params:  # what the ranks would run with, the workload's defaults included
+        console.print(f"params: {json.dumps(dict(dry.job.params))}", markup=False, highlight=False, soft_wrap=True)
     for note in dry.notes:
         console.print(f"note: {note}", style="yellow", markup=False, highlight=False)
     console.print("dry run: nothing was started")

@@ -99,7 +99,7 @@ def summary_renderables(result: Mapping[str, Any]) -> list[Any]:
         rows = [[_cell(row.get(c)) for c in names] for row in summary["rows"]]
         # a column of words (transfer's "host memcpy (no device)") may wrap; numbers and single tokens stay whole
         columns = [_Col(c, whole=not any(" " in row[i] for row in rows)) for i, c in enumerate(names)]
-        out.append(_FittedTable(summary.get("title", "summary"), columns, rows))
+        out.append(_FittedTable(str(summary.get("title") or "summary"), columns, rows))
     for line in summary.get("conclusions", ()):
         out.append(Text(f"• {line}"))
     if summary.get("error"):

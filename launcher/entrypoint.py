@@ -20,6 +20,7 @@ import os
 import sys
 from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Iterator
 
 from pydantic import BaseModel
@@ -31,44 +32,93 @@ PARAMS_MODEL = "Params"
 
 @contextlib.contextmanager
 def _search_path(pythonpath: str) -> Iterator[None]:
-    """The ranks also see the spec's own PYTHONPATH; look where they will."""
+    """The ranks also see the spec's own PYTHONPATH; look where they will, then put sys.path
+    back (by value: the module's own import may have changed it too)."""
     extra = [p for p in pythonpath.split(os.pathsep) if p and p not in sys.path]
     sys.path[:0] = extra
     try:
         yield
     finally:
-        del sys.path[: len(extra)]
+        for entry in extra:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(entry)
 
 
-def check_entrypoint(entrypoint: str, pythonpath: str, where: object) -> type[BaseModel] | None:
-    """Raise SpecError unless ``module:function`` exists; return the module's ``Params`` model, if any."""
-    module, _, function = entrypoint.partition(":")
+def _find(module: str) -> ModuleSpec | None:
+    """Where ``module`` is now, even when a module of that name is already loaded (another job's
+    ``work.py``, or this one before an edit): ``find_spec`` alone answers from ``sys.modules``."""
+    loaded = sys.modules.pop(module, None)
+    try:
+        return importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    finally:
+        if loaded is not None:
+            sys.modules[module] = loaded
+
+
+# modules this process loaded from a file, with the file's mtime then: an edit means load again
+_loaded_at: dict[str, tuple[str, int]] = {}
+
+
+def load_module(module: str, pythonpath: str = "") -> ModuleType:
+    """The entrypoint's module as the ranks will import it: found on the spec's PYTHONPATH too,
+    and loaded afresh when the one in ``sys.modules`` is another file or an older version of it
+    (a notebook that edits its workload between ``run_job`` calls). Raises what its import raises."""
     importlib.invalidate_caches()  # a notebook may have written the module since the last run
     with _search_path(pythonpath):
-        try:
-            found: ModuleSpec | None = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            found = None
+        found = _find(module)
         if found is None:
-            raise SpecError([f"{where}: entrypoint: module '{module}' not found on the Python path"])
-        source = Path(found.origin) if found.origin and found.origin.endswith(".py") else None
-        if source is None:
-            return None  # compiled or namespace module: the rank's import is the check
-        if not defines(source, function):
-            raise SpecError([f"{where}: entrypoint: module '{module}' ({found.origin}) has no function '{function}'"])
-        if not defines(source, PARAMS_MODEL, strict=True):
-            return None
-        return _params_model(module, where)
+            raise ModuleNotFoundError(f"no module named '{module}'", name=module)
+        current = sys.modules.get(module)
+        stamp = _stamp(found)
+        if current is not None and getattr(current, "__file__", None) == found.origin and _loaded_at.get(module, stamp) == stamp:
+            return current
+        fresh = importlib.util.module_from_spec(found)
+        sys.modules[module] = fresh
+        try:
+            assert found.loader is not None
+            found.loader.exec_module(fresh)
+        except BaseException:
+            if current is None:
+                sys.modules.pop(module, None)
+            else:
+                sys.modules[module] = current
+            raise
+        if stamp is not None:
+            _loaded_at[module] = stamp
+        return fresh
 
 
-def _params_model(module: str, where: object) -> type[BaseModel]:
+def _stamp(found: ModuleSpec) -> tuple[str, int] | None:
     try:
-        model = getattr(importlib.import_module(module), PARAMS_MODEL, None)
-    except Exception as exc:  # noqa: BLE001 - the user's module: whatever it raises is the answer
-        raise SpecError([f"{where}: entrypoint: importing '{module}' to check its params failed: {type(exc).__name__}: {exc}"]) from None
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        raise SpecError([f"{where}: entrypoint: '{module}.{PARAMS_MODEL}' must be a pydantic BaseModel describing params"])
-    return model
+        return (str(found.origin), os.stat(str(found.origin)).st_mtime_ns) if found.has_location else None
+    except OSError:
+        return None
+
+
+def check_entrypoint(entrypoint: str, pythonpath: str, label: str) -> type[BaseModel] | None:
+    """Raise SpecError unless ``module:function`` exists; return the module's ``Params`` model,
+    if it declares one. ``label``: where the entrypoint was given (``FILE:LINE: entrypoint``)."""
+    module, _, function = entrypoint.partition(":")
+    importlib.invalidate_caches()
+    with _search_path(pythonpath):
+        found = _find(module)
+    if found is None:
+        raise SpecError([f"{label}: module '{module}' not found on the Python path"])
+    source = Path(found.origin) if found.origin and found.origin.endswith(".py") else None
+    if source is None:
+        return None  # compiled or namespace module: the rank's import is the check
+    if not defines(source, function):
+        raise SpecError([f"{label}: module '{module}' ({found.origin}) has no function '{function}'"])
+    if not defines(source, PARAMS_MODEL, strict=True):
+        return None
+    try:
+        model = getattr(load_module(module, pythonpath), PARAMS_MODEL, None)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module: what it raises is the answer
+        raise SpecError([f"{label}: importing '{module}' to check its params failed: {type(exc).__name__}: {exc}"]) from None
+    # a Params that is not a pydantic model (a dataclass, say) is the module's own business
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def defines(source: Path, name: str, *, strict: bool = False) -> bool:

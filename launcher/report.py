@@ -14,8 +14,8 @@ def rerender(run_dir: Path) -> int:
         raise LauncherError(f"{run_dir / RESULT_FILE}: missing or unreadable; expected a run directory", exit_code=EXIT_BAD_INPUT)
     from launcher.console import RunUI
 
-    entrypoint = (result.get("spec") or {}).get("entrypoint")
-    attach_plots(result, run_dir, entrypoint)
+    spec = result.get("spec") or {}
+    attach_plots(result, run_dir, spec.get("entrypoint"), (spec.get("env") or {}).get("PYTHONPATH", ""))
     write_result(run_dir, result)
     RunUI().finished(result, str(run_dir))
     for plot in result["plots"]:

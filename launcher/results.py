@@ -7,7 +7,6 @@ A workload module may add two hooks, imported only here, at the end of the run:
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -80,6 +79,7 @@ def aggregate(
     entrypoint: str | None,
     params: Mapping[str, Any],
     started_at: float,
+    pythonpath: str = "",
 ) -> dict[str, Any]:
     """Pure: stage outcomes in, the result document out (without plots and the aggregate phase)."""
     stage_docs, ranks = [], []
@@ -120,28 +120,35 @@ def aggregate(
         "failure": failed.failure if failed else None,
         "summary": {},
     }
-    result["summary"] = summarize(result, entrypoint, params)
+    result["summary"] = summarize(result, entrypoint, params, pythonpath)
     if "scaling" in result["summary"]:
         result["scaling"] = result["summary"]["scaling"]
     return result
 
 
-def workload_module(entrypoint: str | None) -> Any | None:
+def workload_module(entrypoint: str | None, pythonpath: str = "") -> Any | None:
+    """The entrypoint's module, for its ``summarize`` and ``plot`` hooks (None: no such module)."""
     if not entrypoint:
         return None
+    from launcher.entrypoint import load_module
+
     try:
-        return importlib.import_module(entrypoint.partition(":")[0])
+        return load_module(entrypoint.partition(":")[0], pythonpath)
     except ImportError:
         return None
 
 
-def summarize(result: dict[str, Any], entrypoint: str | None, params: Mapping[str, Any]) -> dict[str, Any]:
+def summarize(result: dict[str, Any], entrypoint: str | None, params: Mapping[str, Any], pythonpath: str = "") -> dict[str, Any]:
     stages = [
         {**stage, "ranks": [r for r in result["ranks"] if r.get("world_size") == stage["world_size"]]}
         for stage in result["stages"]
     ]
     summary: dict[str, Any] = {"steps_per_rank": _steps_summary(result["ranks"])}
-    module = workload_module(entrypoint)
+    try:
+        module = workload_module(entrypoint, pythonpath)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the workload's own import; the run's results stay
+        summary["error"] = f"importing the workload: {type(exc).__name__}: {exc}"
+        return summary
     hook = getattr(module, "summarize", None)
     if hook is not None:
         try:
@@ -157,8 +164,8 @@ def _steps_summary(ranks: list[dict[str, Any]]) -> float | None:
     return median(steps) if steps else None
 
 
-def make_plots(result: Mapping[str, Any], run_dir: Path, entrypoint: str | None) -> list[str]:
-    hook = getattr(workload_module(entrypoint), "plot", None)
+def make_plots(result: Mapping[str, Any], run_dir: Path, entrypoint: str | None, pythonpath: str = "") -> list[str]:
+    hook = getattr(workload_module(entrypoint, pythonpath), "plot", None)
     if hook is None or not result.get("ranks"):
         return []  # a failed run still plots whatever stages completed
     import matplotlib
@@ -167,13 +174,13 @@ def make_plots(result: Mapping[str, Any], run_dir: Path, entrypoint: str | None)
     return [str(p) for p in hook(result, run_dir)]
 
 
-def attach_plots(result: dict[str, Any], run_dir: Path, entrypoint: str | None) -> list[str]:
+def attach_plots(result: dict[str, Any], run_dir: Path, entrypoint: str | None, pythonpath: str = "") -> list[str]:
     """Render the job's plots and list them in ``result["plots"]``; a broken plot hook is noted
     in ``result["plot_error"]`` and never loses the results."""
     try:
-        plots = make_plots(result, run_dir, entrypoint)
+        plots = make_plots(result, run_dir, entrypoint, pythonpath)
         result.pop("plot_error", None)
-    except Exception as exc:  # noqa: BLE001 - the user's plot code may raise anything
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's plot code may raise anything
         plots = []
         result["plot_error"] = f"{type(exc).__name__}: {exc}"
     result["plots"] = [os.path.relpath(p, run_dir) for p in plots]

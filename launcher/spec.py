@@ -21,7 +21,6 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
-    StrictFloat,
     StrictInt,
     StringConstraints,
     ValidationError,
@@ -30,7 +29,7 @@ from pydantic import (
 
 from launcher.entrypoint import check_entrypoint
 from launcher.errors import SpecError
-from launcher.validation import located_problems
+from launcher.validation import Real, field_label, located_problems
 from launcher.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -96,11 +95,11 @@ class Scaling(_Frozen):
 
 
 class Timeouts(_Frozen):
-    rendezvous_s: StrictFloat = Field(60, gt=0, le=86_400)
-    run_s: StrictFloat = Field(3600, gt=0, le=30 * 86_400)
+    rendezvous_s: Real = Field(60, gt=0, le=86_400)
+    run_s: Real = Field(3600, gt=0, le=30 * 86_400)
     # How long a collective may wait for its slowest rank (a rank saving a checkpoint while the
     # others wait in an all-reduce); None keeps torch's default for the process-group backend.
-    collective_s: StrictFloat | None = Field(None, gt=0, le=30 * 86_400)
+    collective_s: Real | None = Field(None, gt=0, le=30 * 86_400)
 
 
 class RaySettings(_Frozen):
@@ -160,9 +159,13 @@ class LoadedJob(BaseModel):
     spec: JobSpec
     path: Path
     base_dir: Path
-    # the params the ranks will run with: the workload's defaults filled in where its module
-    # declares a Params model; the spec's params as written where it does not
-    resolved_params: FrozenMap = Field(default_factory=dict)
+    # the params with the workload's defaults filled in, where its module declares a Params model
+    resolved_params: FrozenMap | None = None
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """The params the ranks will run with: resolved where they could be, else as written."""
+        return self.spec.params if self.resolved_params is None else self.resolved_params
 
     def script_path(self) -> Path | None:
         return None if self.spec.script is None else (self.base_dir / self.spec.script).resolve()
@@ -174,7 +177,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
     sourced = _with_bases(load_yaml(path, what="job spec"), path, chain=(path.resolve(),))
     sourced = _apply_overrides(sourced, overrides)
     spec = _validate(sourced)
-    loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent, resolved_params=spec.params)
+    loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent)
     resolved = check_references(loaded, sourced)
     return loaded if resolved is None else loaded.model_copy(update={"resolved_params": MappingProxyType(resolved)})
 
@@ -219,8 +222,9 @@ def _apply_overrides(sourced: SourcedData, overrides: list[str] | tuple[str, ...
         keys = tuple(int(k) if k.isdigit() else k for k in key.split("."))
         # what was under the key in the file is gone: its lines must not be blamed
         locations = {path: at for path, at in locations.items() if path[: len(keys)] != keys}
-        for end in range(1, len(keys) + 1):
-            locations[keys[:end]] = Location(f"--set {key}")
+        locations[keys] = Location(f"--set {key}")
+        for end in range(1, len(keys)):  # parents the file has keep their lines; new ones are the flag's
+            locations.setdefault(keys[:end], Location(f"--set {key}"))
     if problems:
         raise SpecError(problems)
     return SourcedData(data, locations, sourced.origin)
@@ -237,19 +241,21 @@ def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> d
     """The entrypoint's module and the script must exist before anything is spawned, and the
     params must fit the entrypoint's ``Params`` model when it declares one. Returns the params
     with the model's defaults filled in (None without a model)."""
-    spec, where = loaded.spec, loaded.path
+    spec = loaded.spec
+    at = sourced or SourcedData(None, origin=Location(str(loaded.path)))
     if spec.script is not None:
         script = loaded.script_path()
         assert script is not None
         if not script.is_file():
-            raise SpecError([f"{where}: script: no such file {script}"])
+            raise SpecError([f"{field_label(at.locate(('script',)), 'script')}: no such file {script}"])
     if spec.entrypoint is not None:
-        model = check_entrypoint(spec.entrypoint, spec.env.get("PYTHONPATH", ""), where)
+        label = field_label(at.locate(("entrypoint",)), "entrypoint")
+        model = check_entrypoint(spec.entrypoint, spec.env.get("PYTHONPATH", ""), label)
         if model is not None:
             try:
-                return model.model_validate(dict(spec.params)).model_dump(mode="json")
+                # by alias and round-trip: what is stored must validate again, in the ranks and in summarize
+                return model.model_validate(dict(spec.params)).model_dump(mode="json", by_alias=True, round_trip=True)
             except ValidationError as exc:
-                at = sourced or SourcedData(None, origin=Location(str(where)))
                 raise SpecError(located_problems(exc, at, model, ("params",))) from None
     return None
 

@@ -1,4 +1,5 @@
-"""pydantic's validation errors, as one line per wrong field: ``FILE:LINE: dotted.field: expected ...``.
+"""pydantic's validation errors, as one line per wrong field: ``FILE:LINE: dotted.field: expected ...``,
+and the field types that YAML input needs.
 
 Shared by the job spec, a workload's ``params`` and the cluster file, so that every bad input
 reads the same way, with a "did you mean" for misspelt keys.
@@ -8,13 +9,23 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Callable, Mapping
+from typing import Annotated, Any, Callable, Mapping
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ValidationError
 
 from launcher.yamlsource import SourcedData
 
 Loc = tuple[Any, ...]
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a valid number")  # `run_s: yes` is a mistake, not 1 s
+    return value
+
+
+# A float field as YAML users write one: 60, 1.5 and 1e-3 (which YAML 1.1 reads as text); never a boolean.
+Real = Annotated[float, BeforeValidator(_number)]
 
 
 def located_problems(
@@ -52,16 +63,16 @@ def _describe(loc: Loc, errs: list[Any], sourced: SourcedData, model: type[BaseM
     where = sourced.locate(full)
     dotted = ".".join(str(p) for p in full if p != "[key]") or "(top level)"  # pydantic marks a bad key
     if err["type"] == "extra_forbidden":
-        return f"{_field(where, dotted)}: unknown key{did_you_mean(str(loc[-1]), _field_names(model, loc[:-1]))}"
+        return f"{field_label(where, dotted)}: unknown key{did_you_mean(str(loc[-1]), _field_names(model, loc[:-1]))}"
     if err["type"] == "missing":
-        return f"{_field(where, dotted)}: required field is missing"
+        return f"{field_label(where, dotted)}: required field is missing"
     msg = " or ".join(_expectation(e, hints) for e in errs).replace(" or expected ", " or ")
     got = err.get("input")
-    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-    return f"{_field(where, dotted)}: {msg}{shown}"
+    shown = "" if isinstance(got, (dict, list)) else " (got null)" if got is None else f" (got {got!r})"
+    return f"{field_label(where, dotted)}: {msg}{shown}"
 
 
-def _field(where: Any, dotted: str) -> str:
+def field_label(where: Any, dotted: str) -> str:
     """``FILE:LINE: field`` or ``--set field`` (the flag already names the field)."""
     return str(where) if str(where) == f"--set {dotted}" else f"{where}: {dotted}"
 

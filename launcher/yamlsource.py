@@ -106,16 +106,21 @@ def _index(node: yaml.Node, path: PathKey, file: str, out: dict[PathKey, Locatio
 def deep_merge(base: SourcedData, top: SourcedData) -> SourcedData:
     """``top`` over ``base``: mappings merge key by key, everything else is replaced."""
 
-    def merge(a: Any, b: Any) -> Any:
+    replaced: list[PathKey] = []
+
+    def merge(a: Any, b: Any, at: PathKey) -> Any:
         if isinstance(a, dict) and isinstance(b, dict):
             merged = dict(a)
             for key, value in b.items():
-                merged[key] = merge(a[key], value) if key in a else value
+                merged[key] = merge(a[key], value, (*at, key)) if key in a else value
             return merged
+        replaced.append(at)
         return b
 
-    locations = {**base.locations, **top.locations}
-    return SourcedData(merge(base.data, top.data), locations, top.origin)
+    data = merge(base.data, top.data, ())
+    # what ``top`` replaced is gone: the base file's lines under it must not be blamed
+    kept = {p: at for p, at in base.locations.items() if not any(p[: len(r)] == r and p != r for r in replaced)}
+    return SourcedData(data, {**kept, **top.locations}, top.origin)
 
 
 def set_path(data: dict[str, Any], dotted: str, value: Any) -> None:

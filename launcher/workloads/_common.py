@@ -14,7 +14,9 @@ from pathlib import Path
 from statistics import median
 from typing import Annotated, Any, Callable, Iterator, Literal, Mapping
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
+
+from launcher.validation import Real
 
 # Tensor methods that hand a tensor's values to Python or to host memory: on a GPU every one of
 # them waits for the device (a host synchronisation); on the CPU they are plain reads.
@@ -25,9 +27,16 @@ SYNC_WARNING = "synchronizing CUDA operation"
 
 class WorkloadParams(BaseModel):
     """A workload's ``params``, checked by the launcher before anything is spawned (unknown keys
-    and wrong types exit 2 with the spec's file and line) and read by the ranks with defaults."""
+    and wrong types exit 2 with the spec's file and line) and read by the ranks with defaults;
+    ``null`` means the default."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # `--set params.steps=null`, or a spec unsetting what the file it extends set
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, Mapping) else data
 
 
 def _as_list(value: Any) -> Any:
@@ -42,7 +51,7 @@ def _distinct(values: tuple[Any, ...]) -> tuple[Any, ...]:
 
 Count = Annotated[StrictInt, Field(ge=1)]
 NonNegative = Annotated[StrictInt, Field(ge=0)]
-Positive = Annotated[StrictFloat, Field(gt=0)]
+Positive = Annotated[Real, Field(gt=0)]
 # `sizes: 64` means `sizes: [64]`
 Sizes = Annotated[tuple[Count, ...], BeforeValidator(_as_list), Field(min_length=1), AfterValidator(_distinct)]
 PositiveSizes = Annotated[tuple[Positive, ...], BeforeValidator(_as_list), Field(min_length=1), AfterValidator(_distinct)]

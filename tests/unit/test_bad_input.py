@@ -112,13 +112,18 @@ CASES = [
          ("params.max_iters: expected at least min_iters (10) (got 2)",), line=3),
     Case("params-one-class", "name: bad\nentrypoint: launcher.workloads.train:run\nparams:\n  epochs: 2\n  classes: 1\n",
          ("params.classes: expected greater than or equal to 2 (got 1)",), line=5),
-    Case("params-model-not-pydantic", "name: bad\nentrypoint: gl_dict_params:run\nenv: {PYTHONPATH: .}\n",
-         ("entrypoint: 'gl_dict_params.Params' must be a pydantic BaseModel",),
-         files={"gl_dict_params.py": "Params = dict\n\ndef run(ctx):\n    return {}\n"}),
     Case("params-module-raises", "name: bad\nentrypoint: gl_raising_params:run\nenv: {PYTHONPATH: .}\n",
          ("entrypoint: importing 'gl_raising_params' to check its params failed: RuntimeError: no GPU driver",),
          files={"gl_raising_params.py": "from pydantic import BaseModel\n\nraise RuntimeError('no GPU driver')\n\n\n"
                 "class Params(BaseModel):\n    pass\n\n\ndef run(ctx):\n    return {}\n"}),
+    Case("params-module-exits", "name: bad\nentrypoint: gl_exiting_params:run\nenv: {PYTHONPATH: .}\n",
+         ("bad.yaml:2: entrypoint: importing 'gl_exiting_params' to check its params failed: SystemExit: 3",), line=2,
+         files={"gl_exiting_params.py": "import sys\n\nfrom pydantic import BaseModel\n\nsys.exit(3)\n\n\n"
+                "class Params(BaseModel):\n    pass\n\n\ndef run(ctx):\n    return {}\n"}),
+    Case("params-null-where-required", "name: bad\nentrypoint: gl_required_params:run\nenv: {PYTHONPATH: .}\nparams: {data: null}\n",
+         ("params.data: expected a valid string (got null)",), line=4,
+         files={"gl_required_params.py": "from pydantic import BaseModel\n\n\nclass Params(BaseModel):\n    data: str\n\n\n"
+                "def run(ctx):\n    return {}\n"}),
     # --- impossible resources (valid spec, no such machine): caught before any spawn -------------------
     Case("cuda-without-gpu", BASE + "resources: {device: cuda}\n", ("resources.device: 'cuda' requested but",)),
     Case("world-larger-than-slots", BASE + "resources: {cpu_workers: 2}\nscaling: {workers: [64]}\n",

@@ -130,3 +130,10 @@ def test_the_device_table_keeps_uuids_whole_at_80_columns() -> None:
     for gpu in inv.gpus:
         assert gpu.uuid in joined
         assert f"{gpu.memory_used_mib} / {gpu.memory_total_mib}" in text
+
+
+def test_a_workload_summary_without_a_title_still_shows_its_table(result: dict[str, Any]) -> None:
+    untitled = copy.deepcopy(result)
+    untitled["summary"]["title"] = None
+    text = render(summary_renderables(untitled), 80)
+    assert "summary" in text and "gflops" in text

@@ -175,11 +175,12 @@ def test_a_users_params_model_checks_params_with_file_and_line(tmp_path):
 def test_resolved_params_fill_in_the_workloads_defaults(tmp_path):
     job = load_job(write(tmp_path, "name: j\nentrypoint: launcher.workloads.sync_logging:run\nparams: {steps: 40, n: 16}\n"))
     assert dict(job.spec.params) == {"steps": 40, "n": 16}  # as written
-    assert dict(job.resolved_params) == {"steps": 40, "n": 16, "repeats": 3, "warmup": 1, "dtype": "float32", "seed": 0}
+    assert dict(job.params) == {"steps": 40, "n": 16, "repeats": 3, "warmup": 1, "dtype": "float32", "seed": 0}
     untyped = tmp_path / "gl_untyped_workload.py"
     untyped.write_text("def run(ctx):\n    return {}\n")
     text = f"name: j\nentrypoint: gl_untyped_workload:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\nparams: {{a: 1}}\n"
-    assert dict(load_job(write(tmp_path, text, "untyped.yaml")).resolved_params) == {"a": 1}
+    untyped_job = load_job(write(tmp_path, text, "untyped.yaml"))
+    assert untyped_job.resolved_params is None and dict(untyped_job.params) == {"a": 1}
 
 
 @pytest.mark.parametrize("job", sorted(p.stem for p in (REPO / "jobs").glob("*.yaml")))
@@ -189,3 +190,88 @@ def test_every_shipped_job_fits_its_workloads_params(job):
     loaded = load_job(REPO / "jobs" / f"{job}.yaml")
     model = check_entrypoint(loaded.spec.entrypoint, "", loaded.path)
     assert model is not None and model.model_validate(dict(loaded.spec.params))
+
+
+def _typed_module(directory: Path, name: str, fields: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.py").write_text(
+        f"from pydantic import BaseModel, ConfigDict\n\n\nclass Params(BaseModel):\n    model_config = ConfigDict(extra='forbid')\n"
+        f"{fields}\n\ndef run(ctx):\n    return {{}}\n"
+    )
+
+
+def test_same_named_modules_of_two_projects_and_edited_modules_are_each_checked_as_they_are_now(tmp_path):
+    import os
+    import sys
+
+    for project, field in (("a", "alpha"), ("b", "beta")):
+        _typed_module(tmp_path / project, "gl_work", f"    {field}: int = 1\n")
+    def spec(project: str, params: str) -> Path:
+        text = f"name: j\nentrypoint: gl_work:run\nenv: {{PYTHONPATH: '{tmp_path / project}'}}\nparams: {params}\n"
+        return write(tmp_path, text, f"{project}.yaml")
+
+    path_before = list(sys.path)
+    assert dict(load_job(spec("a", "{alpha: 2}")).params) == {"alpha": 2}
+    assert dict(load_job(spec("b", "{beta: 3}")).params) == {"beta": 3}  # b's Params, not a's (already loaded)
+    _typed_module(tmp_path / "a", "gl_work", "    alpha: int = 1\n    gamma: int = 5\n")
+    stat = (tmp_path / "a" / "gl_work.py").stat()
+    os.utime(tmp_path / "a" / "gl_work.py", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # an edit, a second later
+    assert dict(load_job(spec("a", "{gamma: 6}")).params) == {"alpha": 1, "gamma": 6}
+    assert sys.path == path_before
+
+
+def test_the_spec_pythonpath_leaves_sys_path_as_found_even_when_the_module_changes_it(tmp_path):
+    import sys
+
+    (tmp_path / "gl_pathy.py").write_text(
+        "import sys\nfrom pydantic import BaseModel\n\nsys.path.insert(0, '/gl/vendor')\n\n\n"
+        "class Params(BaseModel):\n    n: int = 1\n\n\ndef run(ctx):\n    return {}\n"
+    )
+    before = list(sys.path)
+    try:
+        load_job(write(tmp_path, f"name: j\nentrypoint: gl_pathy:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\n"))
+        assert str(tmp_path) not in sys.path and "/gl/vendor" in sys.path  # the module's own change stays
+    finally:
+        sys.path[:] = before
+
+
+def test_a_params_that_is_not_pydantic_is_the_modules_own_business(tmp_path):
+    (tmp_path / "gl_dc_params.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass Params:\n    n: int = 1\n\n\ndef run(ctx):\n    return {}\n"
+    )
+    job = load_job(write(tmp_path, f"name: j\nentrypoint: gl_dc_params:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\nparams: {{x: 1}}\n"))
+    assert job.resolved_params is None and dict(job.params) == {"x": 1}
+
+
+def test_resolved_params_validate_again_with_aliases_and_computed_fields(tmp_path):
+    (tmp_path / "gl_alias_params.py").write_text(
+        "from pydantic import BaseModel, ConfigDict, Field, computed_field\n\n\n"
+        "class Params(BaseModel):\n    model_config = ConfigDict(extra='forbid')\n"
+        "    lr: float = Field(0.1, alias='learning-rate')\n    steps: int = 10\n\n"
+        "    @computed_field\n    @property\n    def total(self) -> int:\n        return self.steps * 2\n\n\n"
+        "def run(ctx):\n    return {}\n"
+    )
+    job = load_job(write(tmp_path, f"name: j\nentrypoint: gl_alias_params:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\nparams: {{learning-rate: 0.5}}\n"))
+    assert dict(job.params) == {"learning-rate": 0.5, "steps": 10}
+    from gl_alias_params import Params  # what the ranks and summarize do with the stored params
+
+    assert Params.model_validate(dict(job.params)).lr == 0.5
+
+
+def test_numbers_as_yaml_writes_them_and_null_for_a_workloads_default(tmp_path):
+    job = load_job(REPO / "jobs" / "ddp_train.yaml", ["params.lr=1e-3", "params.epochs=null", "timeouts.run_s=1e3"])
+    assert job.params["lr"] == 0.001 and job.params["epochs"] == 4 and job.spec.timeouts.run_s == 1000.0
+    (line,) = problems(REPO / "jobs" / "ddp_train.yaml", ["params.lr=true"])
+    assert line == "--set params.lr: expected a valid number (got True)"
+
+
+def test_errors_name_the_line_that_holds_the_value_not_an_older_one(tmp_path):
+    write(tmp_path, "name: j\nentrypoint: launcher.workloads.matmul:run\nparams:\n  sizes:\n    - 8\n    - 16\n", "base.yaml")
+    child = write(tmp_path, "extends: base.yaml\nparams:\n  sizes: [0]\n", "child.yaml")
+    assert problems(child) == [f"{child}:3: params.sizes.0: expected greater than or equal to 1 (got 0)"]
+    # a --set names itself, but not for parents the file already has
+    (tmp_path / "gl_needs_data.py").write_text(
+        "from pydantic import BaseModel\n\n\nclass Params(BaseModel):\n    data: str\n    epochs: int = 1\n\n\ndef run(ctx):\n    return {}\n"
+    )
+    spec = write(tmp_path, f"name: j\nentrypoint: gl_needs_data:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\nparams: {{}}\n", "needs.yaml")
+    assert problems(spec, ["params.epochs=2"]) == [f"{spec}:4: params.data: required field is missing"]
