@@ -48,11 +48,11 @@ def startup(d: dict[str, Any]) -> list[str]:
     phases = [(n, r) for n, r in d["variants"].items() if "phase_spawn_s" in r]
     if phases:
         out += ["", "Where `launch`'s start-up went (stage phases from result.json, medians, seconds):", "",
-                "| variant | launcher start (spawn to run start) | backend session (e.g. ray.init) | spawn | import | rendezvous + pg init | run | stage start to first step |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| variant | launcher start (spawn to run start) | backend session (e.g. ray.init) | spawn | import | rendezvous | pg init | run | stage start to first step |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for name, r in phases:
             out.append(f"| {name} | {fmt(r['launcher_before_stage_s']['median'])} | {fmt((r.get('session_setup_s') or {}).get('median'))} | " + " | ".join(
-                fmt(r[f'phase_{p}_s']['median']) for p in ("spawn", "import", "rendezvous", "run", "to_first_step")) + " |")
+                fmt((r.get(f'phase_{p}_s') or {}).get('median')) for p in ("spawn", "import", "rendezvous", "pg_init", "run", "to_first_step")) + " |")
     return out
 
 

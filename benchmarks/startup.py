@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             row["launcher_before_stage_s"] = summary([r["launcher_before_stage_s"] for r in with_phases])
             row["session_setup_s"] = summary([r.get("session_setup_s") for r in with_phases])
             row["after_last_rank_finished_s"] = summary([r["after_last_rank_finished_s"] for r in with_phases])
-            for phase in ("spawn", "import", "rendezvous", "run", "to_first_step"):
+            for phase in ("spawn", "import", "rendezvous", "pg_init", "run", "to_first_step"):
                 row[f"phase_{phase}_s"] = summary([(r["stage_phases"] or {}).get(phase) for r in with_phases])
         table[name] = row
     base = table.get("torchrun", {})

@@ -88,7 +88,7 @@ def summary_renderables(result: Mapping[str, Any]) -> list[Any]:
             s["status"],
             str(s["restarts"]),
             f"{s['wall_s']:.2f}",
-            *(_seconds(s["phases"].get(k)) for k in ("spawn", "import", "rendezvous", "run", "to_first_step")),
+            *(_seconds(s["phases"].get(k)) for k in ("spawn", "import", "rendezvous", "pg_init", "run", "to_first_step")),
         )
         for s in result["stages"]
     ]
@@ -148,6 +148,7 @@ _STAGE_COLUMNS = (
     _Col("spawn"),
     _Col("import"),
     _Col("rendezvous", short="rdzv"),  # torchrun's own word for it (--rdzv-backend)
+    _Col("pg init"),
     _Col("run"),
     _Col("to 1st step"),
 )

@@ -19,7 +19,7 @@ from launcher.supervisor import StageOutcome
 
 SCHEMA_VERSION = 1
 RESULT_FILE = "result.json"
-PHASES = ("spawn", "import", "rendezvous", "run")
+PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ def stage_phases(started_at: float, reports: list[dict[str, Any]]) -> dict[str, 
         stamps = [r["phases"][name] for r in reports if name in r.get("phases", {})]
         return max(stamps) if stamps else None
 
-    marks = [started_at, latest("spawned"), latest("imported"), latest("pg_ready") or latest("imported"), latest("finished")]
+    # a script (or an older report) has no rendezvous stamps: its rendezvous is part of its run
+    joined = latest("joined") or latest("imported")
+    marks = [started_at, latest("spawned"), latest("imported"), joined, latest("pg_ready") or joined, latest("finished")]
     out: dict[str, float | None] = {}
     for name, (a, b) in zip(PHASES, zip(marks, marks[1:])):
         out[name] = None if a is None or b is None else round(max(0.0, b - a), 4)

@@ -180,7 +180,10 @@ def run_rank(
             _run_script(config)
         else:
             beacon.set_phase("rendezvous")
-            _init_process_group(dist, config, device)
+            joined = _rendezvous(dist, config)
+            phases["joined"] = time.time()  # every rank has arrived
+            beacon.set_phase("pg_init")
+            _init_group(dist, config, device, *joined)
             phases["pg_ready"] = time.time()
             from launcher.context import WorkerContext
 
@@ -243,16 +246,15 @@ def _select_device(torch: Any, config: WorkerConfig, local_rank: int) -> Any:
     return torch.device("cuda", local_rank)
 
 
-def _init_process_group(dist: Any, config: WorkerConfig, device: Any) -> None:
-    """Join the job's process group: the rendezvous bounded by ``timeouts.rendezvous_s``, every
-    collective afterwards by ``timeouts.collective_s`` (torch's default for the backend if unset).
+def _rendezvous(dist: Any, config: WorkerConfig) -> tuple[Any, int, int]:
+    """Join the job's rendezvous, bounded by ``timeouts.rendezvous_s``: returns once every rank
+    has arrived, with the store the process group will be built on, this rank and the world size.
 
-    ``init_process_group(timeout=...)`` alone cannot do both: that one value is the env://
-    store's timeout, bounds gloo's connection to every peer (ProcessGroupGloo's context timeout)
-    and is the group's collective timeout. So the rendezvous is done here, through the same env://
-    handler torch uses, and ends with every rank having arrived (a barrier on the store, bounded by
-    rendezvous_s); the group is then built on that store with the collective timeout, and the
-    store keeps that timeout too (NCCL exchanges the ids of communicators it creates later there).
+    ``init_process_group(timeout=...)`` alone cannot bound the rendezvous and the collectives
+    separately: that one value is the env:// store's timeout, bounds gloo's connection to every
+    peer (ProcessGroupGloo's context timeout) and is the group's collective timeout. So the
+    rendezvous is done here, through the same env:// handler torch uses, and ends with a barrier
+    on the store; ``_init_group`` then builds the group with the collective timeout.
     """
     from datetime import timedelta
 
@@ -260,6 +262,15 @@ def _init_process_group(dist: Any, config: WorkerConfig, device: Any) -> None:
     store, rank, world_size = next(dist.rendezvous("env://", timeout=rendezvous_timeout))
     store.set_timeout(rendezvous_timeout)
     _wait_for_every_rank(dist, store, rank, world_size, config.rendezvous_timeout_s)
+    return store, rank, world_size
+
+
+def _init_group(dist: Any, config: WorkerConfig, device: Any, store: Any, rank: int, world_size: int) -> None:
+    """Build the process group on the rendezvous' store, every collective bounded by
+    ``timeouts.collective_s`` (torch's default for the backend if unset). The store keeps that
+    timeout too: NCCL exchanges the ids of communicators it creates later there."""
+    from datetime import timedelta
+
     kwargs: dict[str, Any] = {
         "backend": config.pg_backend,
         # the key layout init_process_group gives its own env:// store

@@ -31,7 +31,7 @@ def test_matmul_scaling_runs_world_sizes_1_and_2(matmul_run):
     assert result["world_sizes"] == [1, 2] and result["world_size"] == 2
     assert result["params"] == {"sizes": [32, 64], "iters": 3, "warmup": 1, "dtype": "float32",
                                 "concurrent_size": None, "concurrent_iters": None}  # what the ranks ran with
-    assert set(result["phases"]) >= {"spawn", "rendezvous", "run", "aggregate"}
+    assert set(result["phases"]) >= {"spawn", "import", "rendezvous", "pg_init", "run", "aggregate"}
     assert all(v is not None and v >= 0 for v in result["phases"].values())
     ranks = [r for r in result["ranks"] if r["world_size"] == 2]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
@@ -39,7 +39,8 @@ def test_matmul_scaling_runs_world_sizes_1_and_2(matmul_run):
         assert r["device"] == "cpu" and r["host"] == socket.gethostname() and r["status"] == "ok"
         assert len(r["metrics"]["times_ms"]["matmul/64"]) == 1
         assert r["metrics"]["steps"] == 6  # 3 iters x 2 sizes, counted on the host
-        assert {"spawned", "imported", "pg_ready", "first_step", "finished"} <= set(r["phases"])
+        assert {"spawned", "imported", "joined", "pg_ready", "first_step", "finished"} <= set(r["phases"])
+        assert r["phases"]["imported"] <= r["phases"]["joined"] <= r["phases"]["pg_ready"] <= r["phases"]["first_step"]
     rows = {(row["workers"], row["size"]): row for row in result["scaling"]}
     assert set(rows) == {(1, 32), (1, 64), (2, 32), (2, 64)}
     assert rows[(1, 64)]["efficiency"] == 1.0

@@ -57,7 +57,7 @@ def assert_fits(text: str, width: int) -> None:
 
 def stage_cells(stage: dict[str, Any]) -> list[str]:
     """The stage table's row for ``stage``: world size, status, restarts, then seconds to 2 decimals."""
-    phases = [stage["phases"][k] for k in ("spawn", "import", "rendezvous", "run", "to_first_step")]
+    phases = [stage["phases"][k] for k in ("spawn", "import", "rendezvous", "pg_init", "run", "to_first_step")]
     seconds = ["-" if s is None else f"{s:.2f}" for s in (stage["wall_s"], *phases)]
     return [str(stage["world_size"]), stage["status"], str(stage["restarts"]), *seconds]
 

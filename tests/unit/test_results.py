@@ -22,7 +22,7 @@ def _plan(tmp_path: Path, workers: int):
 def _report(rank: int, world: int, ms: float, t0: float) -> dict:
     return {
         "rank": rank, "local_rank": rank, "world_size": world, "host": "h", "device": "cpu", "status": "ok",
-        "phases": {"spawned": t0 + 0.5, "started": t0 + 0.6, "imported": t0 + 1.5, "pg_ready": t0 + 1.7,
+        "phases": {"spawned": t0 + 0.5, "started": t0 + 0.6, "imported": t0 + 1.5, "joined": t0 + 1.6, "pg_ready": t0 + 1.7,
                    "first_step": t0 + 1.8, "finished": t0 + 2.0},
         "metrics": {"steps": 10, "values": {}, "times_ms": {"matmul/100": [ms]}},
         "result": {"threads": 4 // world}, "error": None,
@@ -33,7 +33,7 @@ def test_phases_follow_the_slowest_rank():
     t0 = 1000.0
     reports = [_report(0, 2, 1.0, t0), _report(1, 2, 1.0, t0 + 0.25)]
     phases = stage_phases(t0, reports)
-    assert phases == {"spawn": 0.75, "import": 1.0, "rendezvous": 0.2, "run": 0.3, "to_first_step": 2.05}
+    assert phases == {"spawn": 0.75, "import": 1.0, "rendezvous": 0.1, "pg_init": 0.1, "run": 0.3, "to_first_step": 2.05}
 
 
 def test_scaling_efficiency_and_failure_free_status(tmp_path):
