@@ -47,12 +47,16 @@ def startup(d: dict[str, Any]) -> list[str]:
         out.append(f"| {name} | skipped: {why} | | | | |")
     phases = [(n, r) for n, r in d["variants"].items() if "phase_spawn_s" in r]
     if phases:
+        # results from before 2026-11-23 have one stamp for both: their "rendezvous" includes pg init
+        split = any("phase_pg_init_s" in r for _, r in phases)
+        names = ("spawn", "import", "rendezvous", "pg_init", "run", "to_first_step") if split else ("spawn", "import", "rendezvous", "run", "to_first_step")
+        middle = "rendezvous | pg init" if split else "rendezvous + pg init"
         out += ["", "Where `launch`'s start-up went (stage phases from result.json, medians, seconds):", "",
-                "| variant | launcher start (spawn to run start) | backend session (e.g. ray.init) | spawn | import | rendezvous | pg init | run | stage start to first step |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                f"| variant | launcher start (spawn to run start) | backend session (e.g. ray.init) | spawn | import | {middle} | run | stage start to first step |",
+                "|---" * (len(names) + 3) + "|"]
         for name, r in phases:
             out.append(f"| {name} | {fmt(r['launcher_before_stage_s']['median'])} | {fmt((r.get('session_setup_s') or {}).get('median'))} | " + " | ".join(
-                fmt((r.get(f'phase_{p}_s') or {}).get('median')) for p in ("spawn", "import", "rendezvous", "pg_init", "run", "to_first_step")) + " |")
+                fmt((r.get(f'phase_{p}_s') or {}).get('median')) for p in names) + " |")
     return out
 
 

@@ -5,9 +5,10 @@ The module must be found where the ranks will look (this Python path plus the sp
 pydantic ``BaseModel``) also gets the spec's ``params`` validated against it here, so a typo or
 a wrong type is one line and exit 2 instead of a traceback in every rank.
 
-A module is read with ``ast``, never imported, unless it declares ``Params``: importing a user's
-module could import torch or run its code. A module with ``Params`` has opted in, and keeps its
-top level light (torch is imported inside ``run``), as the built-in workloads do.
+A module is read with ``ast``, never imported, unless it declares ``Params`` (the packages above
+it are imported, to find it): importing a user's module could import torch or run its code. A
+module with ``Params`` has opted in, and keeps its top level light (torch is imported inside
+``run``), as the built-in workloads do.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
+import threading
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +31,10 @@ from pydantic import BaseModel
 from launcher.errors import SpecError
 
 PARAMS_MODEL = "Params"
+
+
+# One job's module at a time: run_job may be called from several threads of one process.
+_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -44,13 +51,46 @@ def _search_path(pythonpath: str) -> Iterator[None]:
                 sys.path.remove(entry)
 
 
+def _shadowed(module: str) -> bool:
+    """Whether a package above ``module`` is already loaded from somewhere other than where it
+    is found now (another project's ``pkg``): then ``pkg.mod`` cannot be found or loaded for
+    this job in this process without replacing what the other one uses."""
+    parts = module.split(".")
+    locations: list[str] | None = None  # None: sys.path
+    for depth in range(1, len(parts)):
+        name = ".".join(parts[:depth])
+        loaded = sys.modules.get(name)
+        if loaded is None:
+            return False  # not loaded: finding the module imports it from the right place
+        found = _find_unloaded(name, locations)
+        if found is None:
+            return True
+        here = list(found.submodule_search_locations or [])
+        if here != list(getattr(loaded, "__path__", []) or []):
+            return True
+        locations = here
+    return False
+
+
+def _find_unloaded(name: str, locations: list[str] | None) -> ModuleSpec | None:
+    """What importing ``name`` would find if it were not loaded yet: the import system's own
+    finders (an editable install's too), asked without looking at ``sys.modules``."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        found = find(name, locations) if find is not None else None
+        if found is not None:
+            return found
+    return None
+
+
 def _find(module: str) -> ModuleSpec | None:
     """Where ``module`` is now, even when a module of that name is already loaded (another job's
-    ``work.py``, or this one before an edit): ``find_spec`` alone answers from ``sys.modules``."""
+    ``work.py``, or this one before an edit): ``find_spec`` alone answers from ``sys.modules``.
+    Its parent packages are imported (that is how a submodule is found); what they raise, raises."""
     loaded = sys.modules.pop(module, None)
     try:
         return importlib.util.find_spec(module)
-    except (ImportError, ValueError):
+    except ModuleNotFoundError:
         return None
     finally:
         if loaded is not None:
@@ -63,22 +103,23 @@ _loaded_at: dict[str, tuple[str, int]] = {}
 
 def load_module(module: str, pythonpath: str = "") -> ModuleType:
     """The entrypoint's module as the ranks will import it: found on the spec's PYTHONPATH too,
-    and loaded afresh when the one in ``sys.modules`` is another file or an older version of it
-    (a notebook that edits its workload between ``run_job`` calls). Raises what its import raises."""
-    importlib.invalidate_caches()  # a notebook may have written the module since the last run
-    with _search_path(pythonpath):
-        found = _find(module)
+    and loaded afresh from its source when the one in ``sys.modules`` is another file, or one
+    this process did not load, or an older version (a notebook that edits its workload between
+    ``run_job`` calls). Raises what its import raises; ModuleNotFoundError when it is not found
+    or a package above it belongs to another project loaded here."""
+    with _lock, _search_path(pythonpath):
+        importlib.invalidate_caches()  # a notebook may have written the module since the last run
+        found = None if _shadowed(module) else _find(module)
         if found is None:
-            raise ModuleNotFoundError(f"no module named '{module}'", name=module)
+            raise ModuleNotFoundError(f"no module named '{module}' here", name=module)
         current = sys.modules.get(module)
         stamp = _stamp(found)
-        if current is not None and getattr(current, "__file__", None) == found.origin and _loaded_at.get(module, stamp) == stamp:
+        if current is not None and stamp is not None and _loaded_at.get(module) == stamp:
             return current
         fresh = importlib.util.module_from_spec(found)
         sys.modules[module] = fresh
         try:
-            assert found.loader is not None
-            found.loader.exec_module(fresh)
+            _execute(found, fresh)
         except BaseException:
             if current is None:
                 sys.modules.pop(module, None)
@@ -87,7 +128,22 @@ def load_module(module: str, pythonpath: str = "") -> ModuleType:
             raise
         if stamp is not None:
             _loaded_at[module] = stamp
+        parent, _, child = module.rpartition(".")
+        if parent in sys.modules:  # as an import does: `from pkg import mod` then finds this one
+            setattr(sys.modules[parent], child, fresh)
         return fresh
+
+
+def _execute(found: ModuleSpec, module: ModuleType) -> None:
+    """Run the module's code from its source: a cached .pyc can be stale for an edit within the
+    same second that kept the file's size."""
+    loader = found.loader
+    if isinstance(loader, importlib.machinery.SourceFileLoader) and found.origin:
+        code = loader.source_to_code(loader.get_data(found.origin), found.origin)
+        exec(code, module.__dict__)  # noqa: S102 - what importing it would run
+    else:
+        assert loader is not None
+        loader.exec_module(module)
 
 
 def _stamp(found: ModuleSpec) -> tuple[str, int] | None:
@@ -101,22 +157,27 @@ def check_entrypoint(entrypoint: str, pythonpath: str, label: str) -> type[BaseM
     """Raise SpecError unless ``module:function`` exists; return the module's ``Params`` model,
     if it declares one. ``label``: where the entrypoint was given (``FILE:LINE: entrypoint``)."""
     module, _, function = entrypoint.partition(":")
-    importlib.invalidate_caches()
-    with _search_path(pythonpath):
-        found = _find(module)
-    if found is None:
-        raise SpecError([f"{label}: module '{module}' not found on the Python path"])
-    source = Path(found.origin) if found.origin and found.origin.endswith(".py") else None
-    if source is None:
-        return None  # compiled or namespace module: the rank's import is the check
-    if not defines(source, function):
-        raise SpecError([f"{label}: module '{module}' ({found.origin}) has no function '{function}'"])
-    if not defines(source, PARAMS_MODEL, strict=True):
-        return None
-    try:
-        model = getattr(load_module(module, pythonpath), PARAMS_MODEL, None)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module: what it raises is the answer
-        raise SpecError([f"{label}: importing '{module}' to check its params failed: {type(exc).__name__}: {exc}"]) from None
+    with _lock, _search_path(pythonpath):
+        if _shadowed(module):
+            return None  # another project's package of that name is loaded here: the ranks check
+        importlib.invalidate_caches()
+        try:
+            found = _find(module)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a parent package's __init__ raised
+            raise SpecError([f"{label}: importing the packages above '{module}' failed: {type(exc).__name__}: {exc}"]) from None
+        if found is None:
+            raise SpecError([f"{label}: module '{module}' not found on the Python path"])
+        source = Path(found.origin) if found.origin and found.origin.endswith(".py") else None
+        if source is None:
+            return None  # compiled or namespace module: the rank's import is the check
+        if not defines(source, function):
+            raise SpecError([f"{label}: module '{module}' ({found.origin}) has no function '{function}'"])
+        if not defines(source, PARAMS_MODEL, strict=True):
+            return None
+        try:
+            model = getattr(load_module(module, pythonpath), PARAMS_MODEL, None)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module: what it raises is the answer
+            raise SpecError([f"{label}: importing '{module}' to check its params failed: {type(exc).__name__}: {exc}"]) from None
     # a Params that is not a pydantic model (a dataclass, say) is the module's own business
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 

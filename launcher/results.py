@@ -20,6 +20,10 @@ from launcher.supervisor import StageOutcome
 SCHEMA_VERSION = 1
 RESULT_FILE = "result.json"
 PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")
+# each phase ends at a rank's stamp: spawned (the process exists), imported (torch and the job's
+# code), joined (every rank reached the rendezvous), pg_ready (process group up), finished
+_PHASE_ENDS = tuple(zip(PHASES, ("spawned", "imported", "joined", "pg_ready", "finished")))
+_ENTRYPOINT_ONLY = ("rendezvous", "pg_init")
 
 
 @dataclass(frozen=True)
@@ -46,19 +50,28 @@ class RunResult:
         return self.data[key]
 
 
-def stage_phases(started_at: float, reports: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Where a stage's start-up time went, from the slowest rank at each step (seconds)."""
+def stage_phases(started_at: float, reports: list[dict[str, Any]], *, script: bool = False) -> dict[str, float | None]:
+    """Where a stage's start-up time went, from the slowest rank at each step (seconds). A phase
+    no rank finished is where the ranks stopped (a rendezvous that timed out): it runs to the
+    end and the phases after it are None. A script joins the group inside its own run, so its
+    rendezvous and pg_init are None too."""
 
     def latest(name: str) -> float | None:
         stamps = [r["phases"][name] for r in reports if name in r.get("phases", {})]
         return max(stamps) if stamps else None
 
-    # a script (or an older report) has no rendezvous stamps: its rendezvous is part of its run
-    joined = latest("joined") or latest("imported")
-    marks = [started_at, latest("spawned"), latest("imported"), joined, latest("pg_ready") or joined, latest("finished")]
     out: dict[str, float | None] = {}
-    for name, (a, b) in zip(PHASES, zip(marks, marks[1:])):
-        out[name] = None if a is None or b is None else round(max(0.0, b - a), 4)
+    prev: float | None = started_at
+    stopped = False
+    for phase, stamp in _PHASE_ENDS:
+        if stopped or (script and phase in _ENTRYPOINT_ONLY):
+            out[phase] = None
+            continue
+        end = latest(stamp)
+        if end is None:
+            end, stopped = latest("finished"), True
+        out[phase] = None if end is None or prev is None else round(max(0.0, end - prev), 4)
+        prev = end
     first = [r["phases"]["first_step"] for r in reports if "first_step" in r.get("phases", {})]
     out["to_first_step"] = round(max(first) - started_at, 4) if first else None
     return out
@@ -86,7 +99,7 @@ def aggregate(
     """Pure: stage outcomes in, the result document out (without plots and the aggregate phase)."""
     stage_docs, ranks = [], []
     for stage in stages:
-        phases = stage_phases(stage.started_at, stage.reports)
+        phases = stage_phases(stage.started_at, stage.reports, script=stage.plan.worker.script is not None)
         stage_docs.append(
             {
                 "world_size": stage.plan.world_size,
@@ -134,10 +147,13 @@ def workload_module(entrypoint: str | None, pythonpath: str = "") -> Any | None:
         return None
     from launcher.entrypoint import load_module
 
+    module = entrypoint.partition(":")[0]
     try:
-        return load_module(entrypoint.partition(":")[0], pythonpath)
-    except ImportError:
-        return None
+        return load_module(module, pythonpath)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return None  # not here: the ranks had it, the launcher's machine has not
+        raise  # the module's own import failed: say so
 
 
 def summarize(result: dict[str, Any], entrypoint: str | None, params: Mapping[str, Any], pythonpath: str = "") -> dict[str, Any]:

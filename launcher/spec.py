@@ -218,6 +218,10 @@ def _apply_overrides(sourced: SourcedData, overrides: list[str] | tuple[str, ...
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        inside = _not_a_mapping(data, key)
+        if inside is not None:
+            problems.append(f"--set {key}: {inside} is not a mapping of fields; set it whole, e.g. --set {inside}=[...]")
+            continue
         set_path(data, key, value)
         keys = tuple(int(k) if k.isdigit() else k for k in key.split("."))
         # what was under the key in the file is gone: its lines must not be blamed
@@ -228,6 +232,20 @@ def _apply_overrides(sourced: SourcedData, overrides: list[str] | tuple[str, ...
     if problems:
         raise SpecError(problems)
     return SourcedData(data, locations, sourced.origin)
+
+
+def _not_a_mapping(data: Any, dotted: str) -> str | None:
+    """The first part of ``dotted`` above its last key that holds something other than a
+    mapping (``params.sizes`` for ``params.sizes.1``): setting inside it would replace it."""
+    keys = dotted.split(".")
+    cursor = data
+    for end, key in enumerate(keys[:-1], start=1):
+        cursor = cursor.get(key) if isinstance(cursor, dict) else None
+        if cursor is None:
+            return None  # created by the override
+        if not isinstance(cursor, dict):
+            return ".".join(keys[:end])
+    return None
 
 
 def _validate(sourced: SourcedData) -> JobSpec:

@@ -138,6 +138,8 @@ CASES = [
     Case("boolean-for-a-count", BASE + "resources: {cpu_workers: yes}\n", ("resources.cpu_workers: expected 'auto' or a valid integer (got True)",), line=3),
     Case("ray-with-a-cluster-file", BASE + "backend: ray\ncluster: hosts.yaml\n", ("cluster: a cluster file is for the torchrun backend",)),
     Case("ray-several-nodes", BASE + "backend: ray\nresources: {nodes: 2}\n", ("resources.nodes: 2 is not used with the Ray backend",)),
+    Case("set-inside-a-list", BASE + "params: {sizes: [8, 16]}\n", ("--set params.sizes.1: params.sizes is not a mapping of fields; set it whole",),
+         argv=("--set", "params.sizes.1=-1")),
     Case("set-negative", BASE, ("--set max_restarts: expected greater than or equal to 0",), argv=("--set", "max_restarts=-3")),
     Case("backend-flag-unknown", BASE, ("--backend: invalid choice: 'slurm'",), argv=("--backend", "slurm")),
     Case("unknown-flag", BASE, ("unrecognized arguments: --frobnicate",), argv=("--frobnicate",)),

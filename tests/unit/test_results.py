@@ -6,7 +6,7 @@ from pathlib import Path
 
 from launcher.devices import NodeInventory
 from launcher.plan import NodeTarget, make_plans
-from launcher.results import aggregate, stage_phases
+from launcher.results import aggregate, stage_phases, summarize
 from launcher.spec import load_job
 from launcher.supervisor import StageOutcome
 
@@ -34,6 +34,19 @@ def test_phases_follow_the_slowest_rank():
     reports = [_report(0, 2, 1.0, t0), _report(1, 2, 1.0, t0 + 0.25)]
     phases = stage_phases(t0, reports)
     assert phases == {"spawn": 0.75, "import": 1.0, "rendezvous": 0.1, "pg_init": 0.1, "run": 0.3, "to_first_step": 2.05}
+
+
+def test_a_phase_no_rank_finished_is_where_they_stopped_and_a_script_has_no_rendezvous_phases():
+    t0 = 1000.0
+    stuck = _report(0, 2, 1.0, t0)  # timed out waiting for a rank that never came
+    stuck["phases"] = {k: v for k, v in stuck["phases"].items() if k in ("spawned", "started", "imported", "finished")}
+    stuck["phases"]["finished"] = t0 + 4.5
+    assert stage_phases(t0, [stuck]) == {"spawn": 0.5, "import": 1.0, "rendezvous": 3.0, "pg_init": None, "run": None,
+                                         "to_first_step": None}
+    script = _report(0, 1, 1.0, t0)
+    del script["phases"]["joined"], script["phases"]["pg_ready"]
+    assert stage_phases(t0, [script], script=True) == {"spawn": 0.5, "import": 1.0, "rendezvous": None, "pg_init": None,
+                                                       "run": 0.5, "to_first_step": 1.8}
 
 
 def test_scaling_efficiency_and_failure_free_status(tmp_path):
@@ -72,3 +85,11 @@ def test_a_workload_summary_that_raises_is_noted_and_the_results_stay(tmp_path):
     assert result["status"] == "succeeded" and len(result["ranks"]) == 1
     assert result["summary"]["error"].startswith("ValidationError: ")
     assert result["summary"]["steps_per_rank"] == 10
+
+
+def test_a_workload_whose_own_import_fails_says_so_in_the_summary(tmp_path, monkeypatch):
+    (tmp_path / "gl_needs_dep.py").write_text("import gl_no_such_dependency\n\n\ndef run(ctx):\n    return {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    summary = summarize({"ranks": [], "stages": []}, "gl_needs_dep:run", {})
+    assert summary["error"] == "importing the workload: ModuleNotFoundError: No module named 'gl_no_such_dependency'"
+    assert "error" not in summarize({"ranks": [], "stages": []}, "gl_not_on_this_machine:run", {})

@@ -275,3 +275,63 @@ def test_errors_name_the_line_that_holds_the_value_not_an_older_one(tmp_path):
     )
     spec = write(tmp_path, f"name: j\nentrypoint: gl_needs_data:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\nparams: {{}}\n", "needs.yaml")
     assert problems(spec, ["params.epochs=2"]) == [f"{spec}:4: params.data: required field is missing"]
+
+
+def _package(root: Path, who: str, steps: int) -> None:
+    (root / "gl_pkg").mkdir(parents=True, exist_ok=True)
+    (root / "gl_pkg" / "__init__.py").write_text("")
+    (root / "gl_pkg" / "work.py").write_text(
+        f"from pydantic import BaseModel, ConfigDict\n\nWHO = '{who}'\n\n\nclass Params(BaseModel):\n"
+        f"    model_config = ConfigDict(extra='forbid')\n    steps: int = {steps}\n\n\ndef run(ctx):\n    return {{}}\n"
+    )
+
+
+def test_a_package_another_project_already_loaded_is_never_taken_for_this_jobs(tmp_path):
+    _package(tmp_path / "a", "a", 1)
+    _package(tmp_path / "b", "b", 2)
+
+    def spec(project: str) -> Path:
+        text = f"name: j\nentrypoint: gl_pkg.work:run\nenv: {{PYTHONPATH: '{tmp_path / project}'}}\n"
+        return write(tmp_path, text, f"{project}.yaml")
+
+    assert dict(load_job(spec("a")).params) == {"steps": 1}
+    # a's gl_pkg is loaded in this process: b's params are not checked against a's model (the
+    # ranks, in processes of their own, check them against b's), nor resolved with a's defaults
+    job_b = load_job(spec("b"))
+    assert job_b.resolved_params is None and dict(job_b.params) == {}
+
+
+def test_packages_above_the_module_that_raise_are_a_spec_error(tmp_path):
+    (tmp_path / "gl_broken_pkg").mkdir()
+    (tmp_path / "gl_broken_pkg" / "__init__.py").write_text("raise RuntimeError('half-installed')\n")
+    spec = write(tmp_path, f"name: j\nentrypoint: gl_broken_pkg.work:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\n")
+    assert problems(spec) == [f"{spec}:2: entrypoint: importing the packages above 'gl_broken_pkg.work' failed: "
+                              "RuntimeError: half-installed"]
+
+
+def test_a_module_imported_before_is_checked_as_its_file_is_now(tmp_path):
+    import importlib
+    import sys
+
+    _typed_module(tmp_path, "gl_pre_imported", "    steps: int = 3\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.import_module("gl_pre_imported")  # the notebook's own import, then an edit of the same size
+        _typed_module(tmp_path, "gl_pre_imported", "    steps: int = 4\n")
+        job = load_job(write(tmp_path, "name: j\nentrypoint: gl_pre_imported:run\n"))
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert dict(job.params) == {"steps": 4}
+
+
+def test_two_threads_checking_one_slow_module_both_get_its_params(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "gl_slow_params.py").write_text(
+        "import time\n\nfrom pydantic import BaseModel\n\ntime.sleep(0.5)\n\n\nclass Params(BaseModel):\n    steps: int = 5\n\n\n"
+        "def run(ctx):\n    return {}\n"
+    )
+    spec = write(tmp_path, f"name: j\nentrypoint: gl_slow_params:run\nenv: {{PYTHONPATH: '{tmp_path}'}}\n")
+    with ThreadPoolExecutor(2) as pool:
+        jobs = list(pool.map(lambda _: load_job(spec), range(2)))
+    assert [j.resolved_params for j in jobs] == [{"steps": 5}, {"steps": 5}]
