@@ -112,26 +112,32 @@ def load_module(module: str, pythonpath: str = "") -> ModuleType:
         found = None if _shadowed(module) else _find(module)
         if found is None:
             raise ModuleNotFoundError(f"no module named '{module}' here", name=module)
-        current = sys.modules.get(module)
-        stamp = _stamp(found)
-        if current is not None and stamp is not None and _loaded_at.get(module) == stamp:
-            return current
-        fresh = importlib.util.module_from_spec(found)
-        sys.modules[module] = fresh
-        try:
-            _execute(found, fresh)
-        except BaseException:
-            if current is None:
-                sys.modules.pop(module, None)
-            else:
-                sys.modules[module] = current
-            raise
-        if stamp is not None:
-            _loaded_at[module] = stamp
-        parent, _, child = module.rpartition(".")
-        if parent in sys.modules:  # as an import does: `from pkg import mod` then finds this one
-            setattr(sys.modules[parent], child, fresh)
-        return fresh
+        return _load_found(module, found)
+
+
+def _load_found(module: str, found: ModuleSpec) -> ModuleType:
+    """``module`` from where ``found`` says it is: the loaded one if this process loaded that very
+    file version, else run afresh from its source (called under ``_lock``)."""
+    current = sys.modules.get(module)
+    stamp = _stamp(found)
+    if current is not None and stamp is not None and _loaded_at.get(module) == stamp:
+        return current
+    fresh = importlib.util.module_from_spec(found)
+    sys.modules[module] = fresh
+    try:
+        _execute(found, fresh)
+    except BaseException:
+        if current is None:
+            sys.modules.pop(module, None)
+        else:
+            sys.modules[module] = current
+        raise
+    if stamp is not None:
+        _loaded_at[module] = stamp
+    parent, _, child = module.rpartition(".")
+    if parent in sys.modules:  # as an import does: `from pkg import mod` then finds this one
+        setattr(sys.modules[parent], child, fresh)
+    return fresh
 
 
 def _execute(found: ModuleSpec, module: ModuleType) -> None:
@@ -175,7 +181,7 @@ def check_entrypoint(entrypoint: str, pythonpath: str, label: str) -> type[BaseM
         if not defines(source, PARAMS_MODEL, strict=True):
             return None
         try:
-            model = getattr(load_module(module, pythonpath), PARAMS_MODEL, None)
+            model = getattr(_load_found(module, found), PARAMS_MODEL, None)  # found above, under the same lock
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module: what it raises is the answer
             raise SpecError([f"{label}: importing '{module}' to check its params failed: {type(exc).__name__}: {exc}"]) from None
     # a Params that is not a pydantic model (a dataclass, say) is the module's own business
