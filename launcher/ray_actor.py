@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from launcher.devices import usable_cpu_count
 from launcher.procutil import write_json_atomic
 
 STEP_TIME_BUCKETS_S = [0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]
@@ -132,7 +133,7 @@ class RankActor:
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "port": port,
             "ifname": interface_of(ip),
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "cpus": usable_cpu_count(),
         }
 
     def drain(self, wait_s: float) -> list[str]:

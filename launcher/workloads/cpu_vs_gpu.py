@@ -14,11 +14,12 @@ measured, never estimated.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import ValidationInfo, field_validator
+
+from launcher.devices import usable_cpu_count
 
 from launcher.workloads._common import (
     Count,
@@ -59,13 +60,8 @@ def iters_for(n: int, p: Params) -> int:
     return max(p.min_iters, min(p.max_iters, want))
 
 
-def _cpu_threads(p: Params, default: int) -> int:
-    if p.cpu_threads != "all":
-        return p.cpu_threads
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or default
+def _cpu_threads(p: Params) -> int:
+    return usable_cpu_count() if p.cpu_threads == "all" else p.cpu_threads
 
 
 def _time_cpu(torch: Any, n: int, iters: int, warmup: int, dtype: Any) -> float:
@@ -91,7 +87,7 @@ def run(ctx: Any) -> dict[str, Any]:
     quiet = host_barrier_group(dist, ctx)  # waiting ranks must not spin on the cores being timed
     # CPU: one rank per node at a time, with all of the node's cores.
     if ctx.local_rank == 0:
-        threads = _cpu_threads(p, ctx.threads)
+        threads = _cpu_threads(p)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
