@@ -11,11 +11,10 @@ import secrets
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -24,7 +23,7 @@ from launcher.backends.base import Backend
 from launcher.devices import discover
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.plan import LaunchPlan, NodeTarget, device_notes, make_plans, plan_stage, stage_sizes
-from launcher.procutil import free_port
+from launcher.procutil import free_port, handling_stop_signals
 from launcher.results import RunResult, aggregate
 from launcher.spec import LoadedJob, load_job, mask_env
 from launcher.supervisor import StageOutcome, StopRequest, run_stage
@@ -48,13 +47,19 @@ def local_node(visible_override: str | None = None) -> NodeTarget:
 def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
     """This machine, or every host of a cluster file after its preflight checks. A
     ``CUDA_VISIBLE_DEVICES`` in the job's env is what its ranks will see, so it is what counts."""
-    cluster_file = cluster or job.spec.cluster
-    if cluster_file is None:
+    path = _cluster_path(job, cluster)
+    if path is None:
         return [local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))]
     from launcher.cluster import load_cluster, preflight
 
-    path = Path(cluster_file) if cluster else job.base_dir / cluster_file
     return preflight(load_cluster(path), job)
+
+
+def _cluster_path(job: LoadedJob, cluster: str | None) -> Path | None:
+    """The cluster file: ``--cluster`` as given, or the spec's ``cluster`` relative to the spec."""
+    if cluster:
+        return Path(cluster)
+    return None if job.spec.cluster is None else job.base_dir / job.spec.cluster
 
 
 def _backend(job: LoadedJob, backend: str | None, cluster: str | None) -> tuple[str, type[Backend]]:
@@ -89,12 +94,12 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
     name, backend_cls = _backend(job, backend, cluster)
     if backend_cls.schedules_onto_cluster():
         return f"{name}: planned on the cluster when it runs"
-    cluster_file = cluster or job.spec.cluster
-    if cluster_file is not None:
+    path = _cluster_path(job, cluster)
+    if path is not None:
         from launcher.cluster import load_cluster
 
-        config = load_cluster(Path(cluster_file) if cluster else job.base_dir / cluster_file)
-        return f"{name}: {len(config.hosts)} host(s) in {cluster_file}, checked over SSH when it runs"
+        config = load_cluster(path)
+        return f"{name}: {len(config.hosts)} host(s) in {cluster or job.spec.cluster}, checked over SSH when it runs"
     nodes = resolve_nodes(job, None)
     device_type, sizes = stage_sizes(job, nodes)
     notes = "".join(f"; note: {n}" for n in device_notes(job, nodes, device_type))
@@ -127,18 +132,13 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-@contextlib.contextmanager
-def _stop_on_signals(stop: StopRequest) -> Iterator[None]:
+def _stop_on_signals(stop: StopRequest) -> contextlib.AbstractContextManager[None]:
     """Ctrl-C and SIGTERM ask the run loop to tear everything down, then the run reports.
 
     A second one stops at once: teardown can wait on a rank that ignores SIGTERM or on a host
     that does not answer. What the launcher started dies with it (parent-death signals, the SSH
     lifelines), so nothing is left behind; only the final result.json is not written.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {}
 
     def handler(signum: int, _frame: Any) -> None:
         if stop:
@@ -146,13 +146,7 @@ def _stop_on_signals(stop: StopRequest) -> Iterator[None]:
             raise KeyboardInterrupt
         stop.set(signal.Signals(signum).name)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    return handling_stop_signals(handler)
 
 
 def run_job(
@@ -236,6 +230,7 @@ def finish_run(
     from launcher.results import attach_plots, write_result
 
     t_agg = time.time()
+    pythonpath = loaded.spec.env.get("PYTHONPATH", "")  # where the launcher finds the job's hooks too
     result = aggregate(
         outcomes,
         job=loaded.spec.name,
@@ -246,13 +241,13 @@ def finish_run(
         entrypoint=loaded.spec.entrypoint,
         params=loaded.params,
         started_at=started,
-        pythonpath=loaded.spec.env.get("PYTHONPATH", ""),
+        pythonpath=pythonpath,
     )
     result["run_dir"] = str(run_dir)
     if cut_short is not None:
         result["status"] = "interrupted" if cut_short["reason"] == "interrupted" else "failed"
         result["failure"] = dict(cut_short)
-    plots = attach_plots(result, run_dir, loaded.spec.entrypoint, loaded.spec.env.get("PYTHONPATH", ""))
+    plots = attach_plots(result, run_dir, loaded.spec.entrypoint, pythonpath)
     result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
     write_result(run_dir, result)
     ui.finished(result, str(run_dir))

@@ -1,8 +1,9 @@
 """Small OS-level helpers shared by launcher, agent and worker: parent-death signals, atomic
-writes, free ports and process checks. Standard library only (imported before torch)."""
+writes, free ports, process checks and signal handlers. Standard library only (imported before torch)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -10,11 +11,27 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 _PR_SET_PDEATHSIG = 1
+
+
+@contextlib.contextmanager
+def handling_stop_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for SIGINT and SIGTERM within the block, the previous handlers put back after.
+    Only the main thread may set handlers: elsewhere the block runs with them unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def die_with_parent(sig: signal.Signals, expected_parent: int | None = None) -> None:

@@ -23,12 +23,12 @@ import signal
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, LauncherError
+from launcher.procutil import handling_stop_signals
 
 SPEC_FILE = "_gpulaunch_job.yaml"
 BUNDLE_TAG = "@gpulaunch-bundle "
@@ -165,23 +165,14 @@ class _Interrupted(KeyboardInterrupt):
         self.signame = signame
 
 
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
+def _signals_interrupt() -> contextlib.AbstractContextManager[None]:
     """Within this block SIGINT and SIGTERM raise ``_Interrupted`` (SIGTERM would otherwise end the
     launcher at once and leave its Ray job running on the cluster)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def handler(signum: int, _frame: Any) -> None:
         raise _Interrupted(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    return handling_stop_signals(handler)
 
 
 def _stop_after_interrupt(jobs: Any, job_id: str, signame: str) -> None:
