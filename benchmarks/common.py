@@ -1,7 +1,7 @@
 """Shared helpers for the benchmarks: statistics, the machine's description, child processes
 (started in their own session, always reaped and, on a timeout, killed by pid) and JSON output.
 
-Standard library only, so importing it costs nothing measurable.
+Standard library and psutil only (the process table), so importing it costs nothing measurable.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -140,12 +142,7 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    mem_gib = None
-    try:
-        kb = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal"))
-        mem_gib = round(kb / 2**20, 1)
-    except (OSError, StopIteration, ValueError):
-        pass
+    mem_gib = round(psutil.virtual_memory().total / 2**30, 1)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
     except OSError:
@@ -206,17 +203,15 @@ def fmt(x: float | None, digits: int = 3) -> str:
 def proc_table() -> dict[int, tuple[int, int, str]]:
     """pid -> (parent pid, session id, command line) for every live, non-zombie process."""
     table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for proc in psutil.process_iter(["pid", "ppid", "status", "cmdline"]):
+        info = proc.info
+        if info["status"] == psutil.STATUS_ZOMBIE:
             continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            session = os.getsid(info["pid"])
+        except OSError:  # gone since
             continue
-        if stat[0] == "Z":
-            continue
-        table[int(entry)] = (int(stat[1]), int(stat[3]), cmd)
+        table[info["pid"]] = (info["ppid"], session, " ".join(info["cmdline"] or []))
     return table
 
 

@@ -33,7 +33,7 @@ def _sync(torch: Any, device: Any) -> None:
 
 
 def per_call_us(torch: Any, device: Any, calls: int, blocks: int) -> dict[str, Any]:
-    from launcher.metrics import MetricsRecorder
+    from launcher.runtime.metrics import MetricsRecorder
 
     value = torch.ones((), device=device)
 
@@ -79,7 +79,7 @@ def per_call_us(torch: Any, device: Any, calls: int, blocks: int) -> dict[str, A
 
 def step_loop(torch: Any, device: Any, steps: int, reps: int, target_ms: float = 1.0) -> dict[str, Any]:
     """~1 ms steps with and without recording; returns median step time of each and the overhead."""
-    from launcher.metrics import MetricsRecorder
+    from launcher.runtime.metrics import MetricsRecorder
 
     n = 64
     while True:  # size the matmul so one step takes about target_ms on this device
@@ -127,7 +127,7 @@ def sync_debug_check(torch: Any, device: Any, steps: int) -> dict[str, Any]:
     The loop runs first without the recorder (if that raises, the loop itself syncs and the check
     says so), then with ``timer``, ``log`` (a device tensor and a float) and ``step`` every step.
     """
-    from launcher.metrics import MetricsRecorder
+    from launcher.runtime.metrics import MetricsRecorder
 
     def loop(rec: Any | None) -> str | None:
         w = torch.randn(256, 256, device=device, requires_grad=True)

@@ -221,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
 
         variants["launch_ray"] = make_launch("ray", args.device, {"RAY_TMPDIR": str(ray_tmp)})
         variants["launch_ray_cluster"] = on_cluster
-        if importlib.util.find_spec("launcher.ray_jobs") is not None:
+        if importlib.util.find_spec("launcher.backends.ray_jobs") is not None:
             variants["launch_ray_jobs"] = on_cluster_jobs
         else:
-            skipped["launch_ray_jobs"] = "launcher/ray_jobs.py (the Ray Jobs API client behind --address) does not exist yet"
+            skipped["launch_ray_jobs"] = "launcher/backends/ray_jobs.py (the Ray Jobs API client behind --address) does not exist yet"
 
     if args.only:
         variants = {k: v for k, v in variants.items() if k in args.only}

@@ -1,3 +1,3 @@
-from launcher.cli import entry
+from launcher.ui.cli import entry
 
 entry()

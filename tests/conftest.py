@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,15 +46,12 @@ def pids_mentioning(text: str) -> list[int]:
     The environment counts because ranks forked from a forkserver carry their server's command
     line; every process of a stage has ``GPULAUNCH_STAGE_DIR`` in its environment."""
     found = []
-    needle = text.encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for proc in psutil.process_iter(["pid", "status", "cmdline", "environ"]):
+        info = proc.info  # a field psutil may not read (another user's, a zombie's) is None
+        if info["pid"] == os.getpid() or info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        try:
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            mentioned = needle in (entry / "cmdline").read_bytes() or needle in (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if mentioned and state != "Z":
-            found.append(int(entry.name))
+        args = "\0".join(info["cmdline"] or [])
+        env = "\0".join(f"{k}={v}" for k, v in (info["environ"] or {}).items())
+        if text in args or text in env:
+            found.append(info["pid"])
     return found

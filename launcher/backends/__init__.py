@@ -1,32 +1,33 @@
-"""Backends by name. Imported lazily so that Ray stays an optional extra."""
+"""Backends by name: the one registry. Imported lazily so that Ray stays an optional extra."""
 
 from __future__ import annotations
 
 import importlib
 
 from launcher.backends.base import Backend
-from launcher.errors import LauncherError
+from launcher.errors import EXIT_BAD_INPUT, LauncherError
+from launcher.records import BackendName
 
-_REGISTRY = {
-    "torchrun": "launcher.backends.torchrun:TorchrunBackend",
-    "ray": "launcher.backends.ray:RayBackend",
+_REGISTRY: dict[BackendName, str] = {
+    BackendName.TORCHRUN: "launcher.backends.torchrun:TorchrunBackend",
+    BackendName.RAY: "launcher.backends.ray:RayBackend",
 }
 
 
 def names() -> list[str]:
-    return list(_REGISTRY)
+    return [name.value for name in _REGISTRY]
 
 
 def get_backend(name: str) -> type[Backend]:
     try:
-        module_name, _, cls_name = _REGISTRY[name].partition(":")
-    except KeyError:
-        raise LauncherError(f"--backend: unknown backend '{name}' (expected one of: {', '.join(_REGISTRY)})", exit_code=2) from None
+        module_name, _, cls_name = _REGISTRY[BackendName(name)].partition(":")
+    except (KeyError, ValueError):
+        raise LauncherError(f"--backend: unknown backend '{name}' (expected one of: {', '.join(names())})", exit_code=EXIT_BAD_INPUT) from None
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise LauncherError(
             f"backend '{name}' needs an optional dependency ({exc.name}); install it with: pip install 'gpulaunch[{name}]'",
-            exit_code=2,
+            exit_code=EXIT_BAD_INPUT,
         ) from None
     return getattr(module, cls_name)

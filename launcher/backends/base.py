@@ -1,25 +1,37 @@
-"""The one small interface every backend implements: start a plan, poll it, stop it."""
+"""The one small interface every backend implements: start a plan, poll it, stop it.
+
+A backend receives a ``StagePlan`` (control.planning) and turns it into its own launch request:
+torchrun commands, Ray actors, an sbatch script. It never derives ranks, devices or threads
+again; the run loop (control.runloop) decides a stage's fate, the backend only reports.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
-from launcher.logstream import LogRouter
-from launcher.plan import LaunchPlan, NodeTarget
+from launcher.procutil import stage_worker_pids
+from launcher.records import RankExit
+
+if TYPE_CHECKING:
+    from launcher.control.logrouting import LogRouter
+    from launcher.control.planning import NodeTarget, StagePlan
+    from launcher.spec.model import LoadedJob
 
 
 @dataclass(frozen=True)
-class RankExit:
-    """What the process layer knows about a rank that ended badly (beyond its own report)."""
+class LaunchRequest:
+    """What a backend would submit for one stage, printable: ``--dry-run`` shows exactly this."""
 
-    rank: int
-    exitcode: int | None
-    signal: str | None = None
-    oom_suspected: bool = False
-    host: str | None = None
+    backend: str
+    commands: tuple[str, ...]  # the commands, scripts or actors, as a user could run or read them
+    notes: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        return [*self.commands, *(f"({note})" for note in self.notes)]
 
 
 @dataclass(frozen=True)
@@ -28,22 +40,23 @@ class BackendStatus:
     ok: bool = False
     rank_exits: tuple[RankExit, ...] = ()
     detail: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    # the agent could not bind the rendezvous port another process took first: retry on another
+    rendezvous_port_in_use: bool = False
 
 
 class Backend(ABC):
-    """Runs one LaunchPlan. The supervisor drives it; the backend never decides a run's fate."""
+    """Runs one StagePlan. The run loop drives it; the backend never decides a run's fate."""
 
     name: str = "base"
 
     @classmethod
     @contextlib.contextmanager
-    def session(cls, job: Any) -> Iterator[None]:
+    def session(cls, job: LoadedJob) -> Iterator[None]:
         """Resources that live for a whole run, across its stages and restarts (e.g. a Ray
         runtime). Entered once by ``run_job`` before the first stage; must clean up on exit."""
         yield
 
-    def __init__(self, plan: LaunchPlan, logs: LogRouter) -> None:
+    def __init__(self, plan: StagePlan, logs: LogRouter) -> None:
         self.plan = plan
         self.logs = logs
 
@@ -62,13 +75,21 @@ class Backend(ABC):
     def collect(self) -> None:
         """Bring per-rank reports to the launcher's stage directory (no-op where they are local)."""
 
+    def signal_ranks(self, signum: int) -> None:
+        """Send a signal to every live rank this launcher can reach (SIGUSR1: a stack dump into
+        its log, on a hang): those on this machine, found by the pid and start time in their
+        progress files."""
+        for pid in stage_worker_pids(self.plan.stage_dir).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
     @staticmethod
-    def describe_plan(plan: LaunchPlan) -> list[str]:
-        """Human-readable commands for ``--dry-run`` (nothing is started)."""
-        return []
+    @abstractmethod
+    def launch_request(plan: StagePlan) -> LaunchRequest:
+        """The backend's own launch request for ``plan``, for ``--dry-run`` (nothing is started)."""
 
     @classmethod
-    def check_job(cls, job: Any, cluster: str | None) -> None:
+    def check_job(cls, job: LoadedJob, cluster: str | None) -> None:
         """Refuse, before anything starts, what this backend cannot run (raise a LauncherError)."""
 
     @classmethod
@@ -78,6 +99,6 @@ class Backend(ABC):
         return False
 
     @classmethod
-    def pool_nodes(cls, job: Any) -> list[NodeTarget]:
+    def pool_nodes(cls, job: LoadedJob) -> list[NodeTarget]:
         """The backend's cluster as nodes to plan on; asked inside ``session``."""
         raise NotImplementedError(f"{cls.name} does not schedule onto a cluster of its own")

@@ -1,10 +1,10 @@
 """The Ray backend: one Ray actor per rank, reserved together in a placement group.
 
 The actors run the same per-rank runtime as torchrun's workers (``launcher.worker.run_rank``)
-with the env torchrun would give them (``LaunchPlan.rank_env``), and form one torch.distributed
+with the env torchrun would give them (``StagePlan.rank_env``, laid out by ``control.planning.place_ranks``), and form one torch.distributed
 process group whose address and port come from rank 0's node. ``RayBackend.session`` starts an
 embedded local Ray once per run (dashboard on 127.0.0.1) and shuts it down completely at the end;
-inside a Ray job (``launch --address``, see ``launcher.ray_jobs``) it connects to that cluster.
+inside a Ray job (``launch --address``, see ``launcher.backends.ray_jobs``) it connects to that cluster.
 
 Lifecycle of one stage: ``start`` creates the placement group (gang scheduling: all bundles or
 none) and the named actors ``<job>-rank<k>``; ``poll`` waits for the group within
@@ -16,12 +16,10 @@ to the LogRouter and reports how ranks ended; ``stop`` kills the actors and remo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import ray
@@ -29,15 +27,18 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.backends.base import Backend, BackendStatus, RankExit
-from launcher.devices import GpuInfo, NodeInventory
+from launcher.backends.base import Backend, BackendStatus, LaunchRequest
+from launcher.control.planning import NodeTarget, RankPlacement, StagePlan, place_ranks
 from launcher.errors import BackendError, LauncherError, PlanError
-from launcher.plan import LaunchPlan, NodeTarget
-from launcher.procutil import descendants, kill_now, pid_alive, process_start_ticks, read_json, wait_gone, write_json_atomic
-from launcher.ray_actor import RankActor
-from launcher.worker import failure_report
+from launcher.procutil import cmdline, descendants, kill_now, pid_alive, process_start_ticks, read_json, wait_gone, write_json_atomic
+from launcher.protocol import ENV_RAY_CONNECT, RankProgress, RankReport
+from launcher.records import RankExit
+from launcher.runtime.devices import GpuInfo, NodeInventory
+from launcher.runtime.ray_actor import RankActor
 
-CONNECT_ENV = "GPULAUNCH_RAY_CONNECT"  # set by launcher.ray_jobs: connect to the cluster, never embed
+CONNECT_ENV = ENV_RAY_CONNECT  # set by launcher.backends.ray_jobs: connect to the cluster, never embed
+# what torchrun gives a script besides the rank layout; a Ray rank gets the same
+TORCHRUN_SCRIPT_ENV = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DRAIN_WAIT_S = 0.5
 _log = logging.getLogger(__name__)
@@ -94,13 +95,6 @@ def job_metadata(spec: Any) -> dict[str, str]:
     }
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def ray_processes(session_dir: str | None, before: set[int]) -> dict[int, int | None]:
     """The embedded Ray's processes, pid -> start ticks: this process's descendants that started
     after ``ray.init`` (not in ``before``) and either name Ray's session dir on their command line
@@ -109,8 +103,7 @@ def ray_processes(session_dir: str | None, before: set[int]) -> dict[int, int | 
     subprocesses) is not Ray's and is never touched."""
     if not session_dir:
         return {}
-    needle = session_dir.encode()
-    roots = [p for p in descendants(os.getpid()) if p not in before and needle in _cmdline(p)]
+    roots = [p for p in descendants(os.getpid()) if p not in before and any(session_dir in arg for arg in cmdline(p))]
     ours = set(roots)
     for root in roots:
         ours.update(descendants(root))
@@ -225,7 +218,7 @@ class RayBackend(Backend):
         self._probe_refs: dict[Any, int] = {}
         self._runs: dict[Any, int] = {}
         self._drains: dict[Any, int] = {}
-        self._reports: dict[int, dict[str, Any]] = {}
+        self._reports: dict[int, RankReport] = {}
         self._died: dict[int, str] = {}
         self._died_at: dict[int, float] = {}
         self._state = "new"
@@ -233,19 +226,23 @@ class RayBackend(Backend):
         self._failure = ""
 
     @staticmethod
-    def describe_plan(plan: LaunchPlan) -> list[str]:
+    def launch_request(plan: StagePlan) -> LaunchRequest:
         """What ``--dry-run`` prints: the gang Ray is asked to reserve and the actors it will run."""
-        bundle = _bundle(plan.worker.device_type)
-        return [
-            f"placement group {plan.job}-world{plan.world_size}: {plan.world_size} x {bundle}, strategy {plan.placement.upper()}",
-            *(f"ray actor {plan.job}-rank{r.rank}: launcher.worker.run_rank in a {plan.worker.pg_backend} process group" for r in plan.ranks),
-        ]
+        bundle = _bundle(plan.device_type)
+        return LaunchRequest(
+            "ray",
+            (
+                f"placement group {plan.job}-world{plan.world_size}: {plan.world_size} x {bundle}, strategy {plan.placement.upper()}",
+                *(f"ray actor {plan.job}-rank{r.rank}: launcher.runtime.worker.run_rank in a {plan.pg_backend} process group" for r in plan.ranks),
+            ),
+            ("local ranks, threads and the rendezvous follow the nodes the placement group chooses",),
+        )
 
     def start(self) -> None:
         if not ray.is_initialized():
             raise BackendError("the Ray backend runs inside RayBackend.session (use launcher.run_job)")
         self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
-        bundle = _bundle(self.plan.worker.device_type)
+        bundle = _bundle(self.plan.device_type)
         strategy = self.plan.placement.upper()
         self._pg = placement_group([dict(bundle) for _ in self.plan.ranks], strategy=strategy, name=f"{self.plan.job}-world{self.plan.world_size}")
         self._deadline = time.monotonic() + self.plan.worker.rendezvous_timeout_s
@@ -280,7 +277,7 @@ class RayBackend(Backend):
         if self._state == "failed":
             return BackendStatus(done=True, ok=False, rank_exits=self._rank_exits(), detail=self._failure)
         if self._state == "running" and len(self._reports) == len(self.plan.ranks):
-            ok = all(r.get("status") == "ok" for r in self._reports.values())
+            ok = all(r.ok for r in self._reports.values())
             return BackendStatus(done=True, ok=ok, detail="" if ok else "a rank reported a failure")
         return BackendStatus(done=False)
 
@@ -297,7 +294,7 @@ class RayBackend(Backend):
             self._fail(self._gang_timeout_message())
 
     def _gang_timeout_message(self) -> str:
-        n, bundle = len(self.plan.ranks), _bundle(self.plan.worker.device_type)
+        n, bundle = len(self.plan.ranks), _bundle(self.plan.device_type)
         try:
             available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
             total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
@@ -310,73 +307,48 @@ class RayBackend(Backend):
         )
 
     def _launch_runs(self) -> None:
-        rank0 = self._probes[0]
-        local_node = ray.get_runtime_context().get_node_id()
+        """Every rank is placed: plan the layout the placement group chose, then run the ranks."""
         node_cpus = _node_cpus()
-        for r, actor in zip(self.plan.ranks, self._actors):
-            env = self._rank_env(r.rank, rank0)
-            threads = self._rank_threads(r.rank, env, node_cpus)
-            if "OMP_NUM_THREADS" not in self.plan.spec_env:
-                env["OMP_NUM_THREADS"] = str(threads)
-            config_json = dataclasses.replace(self.plan.worker, threads_per_worker=threads).to_json()
-            self._runs[actor.run.remote(config_json, env, self._probes[r.rank]["node_id"] == local_node)] = r.rank
-            self._drains[actor.drain.remote(DRAIN_WAIT_S)] = r.rank
+        placements = [self._placement(rank, probe, node_cpus) for rank, probe in sorted(self._probes.items())]
+        placed = place_ranks(self.plan, placements)
+        local_node = ray.get_runtime_context().get_node_id()
+        for slot, actor in zip(placed.ranks, self._actors):
+            env = {**placed.rank_env(slot), **TORCHRUN_SCRIPT_ENV}
+            config_json = placed.worker_for(placed.nodes[slot.node_rank]).to_json()
+            same_node = self._probes[slot.rank]["node_id"] == local_node
+            self._runs[actor.run.remote(config_json, env, same_node)] = slot.rank
+            self._drains[actor.drain.remote(DRAIN_WAIT_S)] = slot.rank
         self._state = "running"
 
-    def _rank_threads(self, rank: int, env: dict[str, str], node_cpus: dict[str, float]) -> int | None:
-        """This rank's intra-op threads: its own node's CPUs (Ray's count, capped by the cores the
-        actor may run on) shared by the ranks placed on that node, not the whole cluster's CPUs
-        over the world size (which oversubscribes a node when ranks pack onto it). Where the
-        spec's env sets OMP_NUM_THREADS, that wins, as the plan already decided."""
-        if "OMP_NUM_THREADS" in self.plan.spec_env:
-            return self.plan.worker.threads_per_worker
-        me = self._probes[rank]
-        known = [c for c in (node_cpus.get(me["node_id"]), me.get("cpus")) if c]
-        return max(1, int(min(known, default=1)) // int(env["LOCAL_WORLD_SIZE"]))
-
-    def _rank_env(self, rank: int, rank0: dict[str, Any]) -> dict[str, str]:
-        """torchrun's env for this rank, with the node layout Ray actually chose."""
-        me = self._probes[rank]
-        node_order = list(dict.fromkeys(self._probes[k]["node_id"] for k in sorted(self._probes)))
-        peers = sorted(k for k, p in self._probes.items() if p["node_id"] == me["node_id"])
-        env = dict(self.plan.rank_env(self.plan.ranks[rank]))
-        env.update(
-            MASTER_ADDR=rank0["node_ip"],
-            MASTER_PORT=str(rank0["port"]),
-            GROUP_RANK=str(node_order.index(me["node_id"])),
-            GROUP_WORLD_SIZE=str(len(node_order)),
-            LOCAL_WORLD_SIZE=str(len(peers)),
-            LOCAL_RANK=str(peers.index(rank)),
-            LAUNCHER_HOST=me["hostname"],
+    @staticmethod
+    def _placement(rank: int, probe: dict[str, Any], node_cpus: dict[str, float]) -> RankPlacement:
+        """Where Ray put a rank, as the planner needs it: its node's CPUs are Ray's count capped
+        by the cores the actor may run on (not the whole cluster's CPUs over the world size)."""
+        known = [c for c in (node_cpus.get(probe["node_id"]), probe.get("cpus")) if c]
+        return RankPlacement(
+            rank=rank,
+            node_id=probe["node_id"],
+            host=probe["hostname"],
+            address=probe["node_ip"],
+            cpus=int(min(known, default=1)),
+            ifname=probe.get("ifname"),
+            gpu_ids=tuple(probe["gpu_ids"]),
+            port=probe.get("port"),
         )
-        if len(node_order) > 1 and me.get("ifname"):
-            # across nodes, talk over the interface Ray itself uses (unless the spec chose one)
-            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                env.setdefault(var, me["ifname"])
-        if self.plan.worker.device_type == "cuda":
-            # co-located ranks see all of their node's granted GPUs; each uses cuda:<local_rank>
-            granted = sorted({g for k in peers for g in self._probes[k]["gpu_ids"]}, key=_gpu_key)
-            mine = me["gpu_ids"][0] if me["gpu_ids"] else ""
-            env.update(
-                CUDA_VISIBLE_DEVICES=",".join(granted),
-                LOCAL_RANK=str(granted.index(mine)) if mine in granted else env["LOCAL_RANK"],
-                GPULAUNCH_GRANTED_GPU=mine,
-            )
-        return env
 
     def _poll_runs(self) -> None:
         for rank, ref in _take_ready(self._runs):
             try:
-                self._reports[rank] = ray.get(ref)
+                self._reports[rank] = RankReport.from_dict(ray.get(ref))
             except RayActorError as exc:
                 self._died[rank], self._died_at[rank] = str(exc), time.time()
                 self._fail(f"actor {self.plan.job}-rank{rank} died: {_first_line(exc)}")
             except RayTaskError as exc:  # run_rank never raises for job errors: a launcher bug
                 self._died[rank] = str(exc)
                 self._fail(f"actor {self.plan.job}-rank{rank} raised: {_first_line(exc)}")
-        if any(r.get("status") != "ok" for r in self._reports.values()) and self._state != "failed":
+        if any(not r.ok for r in self._reports.values()) and self._state != "failed":
             self._state = "failed"
-            bad = sorted(k for k, r in self._reports.items() if r.get("status") != "ok")
+            bad = sorted(k for k, r in self._reports.items() if not r.ok)
             self._failure = f"rank(s) {bad} failed"
 
     def _pump_logs(self, final: bool = False) -> None:
@@ -433,28 +405,31 @@ class RayBackend(Backend):
 
     def collect(self) -> None:
         for r in self.plan.ranks:
-            path = Path(r.report_path)
-            if r.rank in self._reports and not path.exists():
-                write_json_atomic(path, self._reports[r.rank])
-            elif r.rank in self._died and not path.exists():
-                detail = self._died[r.rank]
-                # it died without a Python exception; peers then fail on closed connections. Date it
-                # by its last sign of life (its progress beacon) so the root cause is this rank.
-                beacon = read_json(self.plan.stage_dir / "progress" / f"rank{r.rank}.json") or {}
-                seen = beacon.get("t") if isinstance(beacon.get("t"), (int, float)) else self._died_at.get(r.rank, time.time())
-                report = failure_report(
-                    rank=r.rank,
-                    local_rank=r.local_rank,
-                    node_rank=r.node_rank,
-                    world_size=self.plan.world_size,
-                    host=self._probes.get(r.rank, {}).get("hostname", r.host),
-                    device=r.device,
-                    error_type="ActorDied",
-                    message=_first_line(detail),
-                    traceback_text=detail,
-                    at=seen,
-                )
-                write_json_atomic(path, report)
+            path = self.plan.paths.report(r.rank)
+            if path.exists():
+                continue
+            if r.rank in self._reports:
+                write_json_atomic(path, self._reports[r.rank].to_dict())
+            elif r.rank in self._died:
+                write_json_atomic(path, self._died_report(r).to_dict())
+
+    def _died_report(self, r: Any) -> RankReport:
+        """A rank whose actor died without a Python exception; its peers then fail on closed
+        connections. Dated by its last sign of life (its beacon) so the root cause is this rank."""
+        detail = self._died[r.rank]
+        beacon = RankProgress.from_dict(read_json(self.plan.paths.progress(r.rank)))
+        return RankReport.failed(
+            rank=r.rank,
+            local_rank=r.local_rank,
+            node_rank=r.node_rank,
+            world_size=self.plan.world_size,
+            host=self._probes.get(r.rank, {}).get("hostname", r.host),
+            device=r.device,
+            error_type="ActorDied",
+            message=_first_line(detail),
+            traceback_text=detail,
+            at=beacon.t if beacon.t is not None else self._died_at.get(r.rank, time.time()),
+        )
 
 
 def _node_cpus() -> dict[str, float]:
@@ -490,10 +465,6 @@ def _first_line(exc: Any) -> str:
         if line.strip():
             return line.strip()[:500]
     return type(exc).__name__
-
-
-def _gpu_key(gpu: str) -> tuple[int, str]:
-    return (int(gpu), gpu) if gpu.isdigit() else (1 << 30, gpu)
 
 
 def _bundle(device_type: str) -> dict[str, float]:

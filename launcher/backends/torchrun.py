@@ -1,29 +1,65 @@
 """The torchrun backend: one PyTorch elastic agent (torch.distributed.run) per node.
 
-On this machine the agent is a child process in its own session; on other hosts it runs
-through the OpenSSH client (see ``launcher.backends.ssh``). Either way its merged output comes
-back through a pipe to the LogRouter, and stopping it is: SIGTERM to the agent (which stops its
-workers), SIGKILL after a grace period, then SIGKILL to any worker still alive, by pid.
+The plan says what each node runs; this module turns it into torchrun's own terms (the agent's
+argv, its log-line prefix) and starts each node's agent through that node's transport: a child
+process here, or the OpenSSH client for another host (``launcher.backends.ssh``). Either way the
+agent's merged output comes back through a pipe to the LogRouter, and stopping it is: the
+transport's stop (an SSH lifeline cut), SIGTERM to the agent (which stops its workers), SIGKILL
+after a grace period, then SIGKILL to any worker still alive, by pid.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import time
 
-from launcher.agent import PORT_IN_USE_EXIT
-from launcher.backends.base import Backend, BackendStatus, RankExit
+from launcher.backends.base import Backend, BackendStatus, LaunchRequest
+from launcher.backends.transports import Transport, transport_for
+from launcher.control.planning import NodeSlot, StagePlan
 from launcher.errors import BackendError
-from launcher.plan import LaunchPlan, NodeLaunch
 from launcher.procutil import kill_now, stage_worker_pids
-
+from launcher.protocol import LOG_PREFIX_SEPARATOR, PORT_IN_USE_EXIT
+from launcher.records import RankExit
 
 # How long a failed agent's pipe may stay silent before its remaining output is given up on
 # (a stray child can hold the pipe open)
 AGENT_DRAIN_IDLE_S = 2.0
+AGENT_MODULE = "launcher.runtime.agent"
+WORKER_MODULE = "launcher.runtime.worker"
+
+
+def agent_argv(plan: StagePlan, node: NodeSlot) -> tuple[str, ...]:
+    """``python -m launcher.runtime.agent`` is torchrun (same parser, same elastic agent) plus a
+    parent-death signal and a machine-readable failure file. Static rendezvous on a port the
+    launcher chose, never the fixed 29500. With --start-method=forkserver the agent runs the
+    worker as a function in ranks forked from a forkserver (torchrun's own start methods)."""
+    return (
+        node.target.python,
+        "-m",
+        AGENT_MODULE,
+        f"--nnodes={len(plan.nodes)}",
+        f"--nproc-per-node={node.nproc}",
+        f"--node-rank={node.node_rank}",
+        "--rdzv-backend=static",
+        f"--master-addr={plan.rendezvous.addr}",
+        f"--master-port={plan.rendezvous.port}",
+        "--max-restarts=0",  # restarts are the run loop's, the same for every backend
+        "--monitor-interval=0.1",
+        f"--start-method={plan.start_method}",
+        f"--log-dir={plan.paths.agent_log_dir(node.node_rank)}",
+        "--tee=3",
+        "-m",
+        WORKER_MODULE,
+        str(plan.paths.worker_config),
+    )
+
+
+def agent_env(node: NodeSlot) -> dict[str, str]:
+    """The node's env plus torchrun's log-line prefix, which lets the LogRouter split the agent's
+    merged output back into ranks."""
+    return {**node.env, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"{node.host}:${{rank}}{LOG_PREFIX_SEPARATOR}"}
 
 
 class TorchrunBackend(Backend):
@@ -31,82 +67,63 @@ class TorchrunBackend(Backend):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._agents: list[tuple[NodeLaunch, subprocess.Popen]] = []
+        self._agents: list[tuple[NodeSlot, Transport, subprocess.Popen]] = []
 
     @staticmethod
-    def describe_plan(plan: LaunchPlan) -> list[str]:
+    def launch_request(plan: StagePlan) -> LaunchRequest:
         """Per node: the exact command (plain ``torchrun`` form; over SSH, the ssh command)."""
-        lines = []
-        for node in plan.nodes:
-            if node.target.ssh is not None:
-                from launcher.backends.ssh import remote_agent_command
+        commands = tuple(
+            f"[{node.host}] $ {transport_for(node.target).describe(node, plan, agent_argv(plan, node))}" for node in plan.nodes
+        )
+        notes = [f"each node runs its command via `python -m {AGENT_MODULE}`: torchrun with a parent-death signal"]
+        if plan.start_method == "forkserver":
+            notes.append("--start-method=forkserver: ranks are forked from a server that has imported torch once per node")
+        return LaunchRequest("torchrun", commands, tuple(notes))
 
-                lines.append(f"[{node.host}] $ {shlex.join(remote_agent_command(node, plan))}")
-            else:
-                lines.append(f"[{node.host}] $ {node.torchrun_command()}")
-        lines.append("(each node runs its command via `python -m launcher.agent`: torchrun with a parent-death signal)")
-        if "--start-method=forkserver" in plan.nodes[0].argv:
-            lines.append("(--start-method=forkserver: ranks are forked from a server that has imported torch once per node)")
-        return lines
-
-    def _command(self, node: NodeLaunch) -> tuple[list[str], dict[str, str]]:
-        if node.target.ssh is not None:
-            from launcher.backends.ssh import remote_agent_command
-
-            return remote_agent_command(node, self.plan), dict(os.environ)
-        env = {**os.environ, **node.env, "LAUNCHER_PARENT_PID": str(os.getpid())}
-        return list(node.argv), env
+    def _transports(self) -> dict[Transport, list[NodeSlot]]:
+        groups: dict[Transport, list[NodeSlot]] = {}
+        for node in self.plan.nodes:
+            groups.setdefault(transport_for(node.target), []).append(node)
+        return groups
 
     def start(self) -> None:
         self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
-        if any(n.target.ssh is not None for n in self.plan.nodes):  # several servers (issue 4)
-            from launcher.backends import ssh
-
-            ssh.prepare_remote_stages(self.plan)  # stage dir + worker.json on every host
-        for node in self.plan.nodes:
-            argv, env = self._command(node)
-            try:
-                proc = subprocess.Popen(
-                    argv,
-                    env=env,
-                    # over ssh, stdin is the remote agent's lifeline: closing it stops that host
-                    stdin=subprocess.PIPE if node.target.ssh is not None else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # Ctrl-C reaches the launcher only; it decides teardown
-                )
-            except OSError as exc:
-                self.stop()
-                raise BackendError(f"cannot start the torchrun agent for {node.host}: {exc}") from None
-            assert proc.stdout is not None
-            if node.target.ssh is not None:
-                ssh.send_agent_env(proc, node)
-            self.logs.follow(proc.stdout, node.host)
-            self._agents.append((node, proc))
+        groups = self._transports()
+        for transport, nodes in groups.items():
+            transport.prepare(self.plan, nodes)  # stage dir + worker.json where the ranks read it
+        for transport, nodes in groups.items():
+            for node in nodes:
+                try:
+                    proc = transport.spawn(node, self.plan, agent_argv(self.plan, node), agent_env(node))
+                except OSError as exc:
+                    self.stop()
+                    raise BackendError(f"cannot start the torchrun agent for {node.host}: {exc}") from None
+                assert proc.stdout is not None
+                self.logs.follow(proc.stdout, node.host)
+                self._agents.append((node, transport, proc))
 
     def poll(self) -> BackendStatus:
-        codes = [(node, proc.poll()) for node, proc in self._agents]
+        codes = [(node, proc.poll()) for node, _, proc in self._agents]
         failed = [(node, code) for node, code in codes if code not in (None, 0)]
         if failed:
-            # One failed agent ends the job: the supervisor stops the rest at once. Its failure
+            # One failed agent ends the job: the run loop stops the rest at once. Its failure
             # records are its last lines; route them before reading which ranks failed.
             for node, _ in failed:
                 self.logs.drain(node.host, idle_s=AGENT_DRAIN_IDLE_S)
-            port_lost = any(code == PORT_IN_USE_EXIT for _, code in failed)
             return BackendStatus(
                 done=True,
                 ok=False,
                 rank_exits=self._rank_exits(),
                 detail=self._detail(failed),
-                extra={"rendezvous_port_in_use": port_lost},
+                rendezvous_port_in_use=any(code == PORT_IN_USE_EXIT for _, code in failed),
             )
         if any(code is None for _, code in codes):
             return BackendStatus(done=False)
         return BackendStatus(done=True, ok=True)
 
-    def _detail(self, failed: list[tuple[NodeLaunch, int]]) -> str:
+    def _detail(self, failed: list[tuple[NodeSlot, int]]) -> str:
         return "; ".join(
-            f"rendezvous port {self.plan.master_port} on {node.host} was already in use"
+            f"rendezvous port {self.plan.rendezvous.port} on {node.host} was already in use"
             if code == PORT_IN_USE_EXIT
             else f"agent on {node.host} exited with {code}"
             for node, code in failed
@@ -126,12 +143,11 @@ class TorchrunBackend(Backend):
         )
 
     def stop(self, grace_s: float = 5.0) -> None:
-        remote = [proc for node, proc in self._agents if node.target.ssh is not None and proc.poll() is None]
-        if remote:  # cut every lifeline at once; returns when those hosts have stopped (issue 4)
-            from launcher.backends.ssh import stop_remote_agents
-
-            stop_remote_agents(remote, grace_s)
-        running = [proc for _, proc in self._agents if proc.poll() is None]
+        for transport in self._transports():
+            live = [proc for _, t, proc in self._agents if t is transport and proc.poll() is None]
+            if live:  # e.g. cut every SSH lifeline at once; returns when those hosts have stopped
+                transport.stop(live, grace_s)
+        running = [proc for _, _, proc in self._agents if proc.poll() is None]
         for proc in running:
             _signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -141,21 +157,17 @@ class TorchrunBackend(Backend):
             except subprocess.TimeoutExpired:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
-        self._kill_stray_workers()
-
-    def _kill_stray_workers(self) -> None:
         # Belt and braces: workers also die with their agent (parent-death signal), but a rank
         # that outlived both is found by the pid and start time in its progress file.
         kill_now(list(stage_worker_pids(self.plan.stage_dir).values()))
 
     def collect(self) -> None:
-        if any(n.target.ssh is not None for n in self.plan.nodes):  # reports back over ssh (issue 4)
-            from launcher.backends.ssh import fetch_reports
-
-            fetch_reports(self.plan, self.logs)
+        for transport, nodes in self._transports().items():
+            if transport.remote:
+                transport.collect(self.plan, nodes, self.logs)
 
     def agent_pids(self) -> list[int]:
-        return [proc.pid for _, proc in self._agents]
+        return [proc.pid for _, _, proc in self._agents]
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -25,8 +25,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
+from launcher.procutil import cmdline
 from tests.conftest import REPO
 
 SUBNET = "10.231.7"
@@ -86,7 +88,7 @@ def _remove_stale_sets() -> None:
         name = line.split()[0] if line.split() else ""
         parts = name.split("-")
         if len(parts) >= 3 and parts[0] == "glt" and parts[1].isdigit() and int(parts[1]) != os.getpid():
-            if not Path(f"/proc/{parts[1]}").exists():
+            if not psutil.pid_exists(int(parts[1])):
                 _delete_ns(name)
 
 
@@ -163,15 +165,10 @@ class NetnsCluster:
         return left
 
     def describe(self, pids: dict[str, set[int]]) -> str:
-        from tests.conftest import pids_mentioning  # noqa: F401 - for symmetry with other suites
-
         out = []
         for ns, ps in pids.items():
             for pid in sorted(ps):
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                except OSError:
-                    cmd = "?"
+                cmd = " ".join(cmdline(pid)) or "?"
                 out.append(f"{ns}: {pid} {cmd[:200]}")
         return "\n".join(out)
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from launcher.backends.ssh import JSON_TAG, remote_agent_command, ssh_argv
-from launcher.cluster import load_cluster
-from launcher.devices import NodeInventory
+from launcher.spec.cluster import load_cluster
+from launcher.runtime.devices import NodeInventory
 from launcher.errors import SpecError
-from launcher.plan import NodeTarget, plan_stage
-from launcher.spec import load_job
+from launcher.control.planning import NodeTarget, plan_stage
+from launcher.spec.model import load_job
 from tests.conftest import REPO
 
 NASTY = "x; rm -rf ~ $(reboot) `id` 'q' \"d\" \\ \n"

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 # Replaces launcher.cluster.remote_free_port for its first call only; argv: PORT LAUNCH-ARGS...
 DRIVER = """\
 import sys
-import launcher.cluster as cluster
+import launcher.spec.cluster as cluster
 real, taken = cluster.remote_free_port, [int(sys.argv[1])]
 handed_out = []
 def first_taken_then_real(target):
@@ -33,7 +33,7 @@ def first_taken_then_real(target):
     print(f"driver: port {handed_out[-1]} for {target.name}", file=sys.stderr, flush=True)
     return handed_out[-1]
 cluster.remote_free_port = first_taken_then_real
-from launcher.cli import main
+from launcher.ui.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 

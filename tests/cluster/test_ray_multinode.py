@@ -153,6 +153,6 @@ def test_ray_backend_spreads_ranks_over_both_nodes(ray_two_nodes, tmp_path):
 
 def test_launch_with_address_runs_across_both_nodes(ray_two_nodes, tmp_path):
     """`launch ... --address http://HEAD:8265` from the launching host (Ray Jobs API)."""
-    _need_ray_backend("launcher.ray_jobs")
+    _need_ray_backend("launcher.backends.ray_jobs")
     cluster, token, address = ray_two_nodes
     _assert_spread(_ray_job(cluster, tmp_path, token, "--address", address), tmp_path)

@@ -29,7 +29,7 @@ def _assert_on_gpus(run, job: str) -> None:
 def test_recorder_never_syncs_and_item_always_does():
     import torch
 
-    from launcher.metrics import MetricsRecorder
+    from launcher.runtime.metrics import MetricsRecorder
 
     dev = torch.device("cuda:0")
     rec = MetricsRecorder(dev)

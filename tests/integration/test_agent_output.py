@@ -12,12 +12,12 @@ import dataclasses
 import sys
 import time
 
-from launcher.agent import FAILURE_TAG
-from launcher.api import local_node
+from launcher.runtime.agent import FAILURE_TAG
+from launcher.control.api import local_node
 from launcher.backends.torchrun import TorchrunBackend
-from launcher.logstream import LogRouter
-from launcher.plan import plan_stage
-from launcher.spec import load_job
+from launcher.control.logrouting import LogRouter
+from launcher.control.planning import plan_stage
+from launcher.spec.model import load_job
 from tests.conftest import REPO
 
 CHATTY_FAILED_AGENT = f"""\

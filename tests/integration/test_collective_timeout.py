@@ -19,7 +19,7 @@ from tests.conftest import REPO, pids_mentioning
 def _quiet_ui():
     from rich.console import Console
 
-    from launcher.console import RunUI
+    from launcher.ui.console import RunUI
 
     return RunUI(Console(file=io.StringIO()), quiet=True)
 
@@ -36,7 +36,7 @@ def _run(tmp_path: Path, monkeypatch, timeouts: dict, params: dict, env: dict | 
     path = tmp_path / "slow_collective.yaml"
     path.write_text(yaml.safe_dump(spec))
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    result = run_job(path, out=tmp_path / "runs", ui=_quiet_ui())
+    result = run_job(path, out=tmp_path / "runs", events=_quiet_ui())
     assert pids_mentioning(str(tmp_path)) == []
     return result
 

@@ -15,7 +15,7 @@ import pytest
 
 from launcher.backends.base import RankExit
 from launcher.procutil import oom_kill_count
-from launcher.supervisor import _describe_exit
+from launcher.control.runloop import _describe_exit
 from tests.conftest import pids_mentioning
 from tests.integration.faultkit import Launched, describe, record, result_of, wait_no_pids, write_spec
 
@@ -248,7 +248,7 @@ def test_no_unsafe_yaml_loader_and_no_shell_anywhere_in_the_launcher(repo):
 
 
 def test_dry_run_masks_secrets_and_quotes_spec_values(tmp_path, capsys, monkeypatch):
-    from launcher.cli import main
+    from launcher.ui.cli import main
 
     monkeypatch.setenv("COLUMNS", "400")  # rich wraps long lines otherwise
     spec = write_spec(

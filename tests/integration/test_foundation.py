@@ -95,13 +95,13 @@ def test_script_mode_gets_torchrun_env_and_prefixed_output(tmp_path):
 
 def test_python_api_returns_the_result(tmp_path):
     import launcher
-    from launcher.console import RunUI
+    from launcher.ui.console import RunUI
 
     result = launcher.run_job(
         "jobs/matmul_scaling.yaml",
         overrides=["params.sizes=[16]", "params.iters=2", "scaling.workers=[1]"],
         out=tmp_path,
-        ui=RunUI(quiet=True),
+        events=RunUI(quiet=True),
     )
     assert result.ok and result.path.is_file()
     assert result["world_size"] == 1 and result["scaling"][0]["workers"] == 1

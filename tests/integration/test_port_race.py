@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-import launcher.api
+import launcher.control.api
 from launcher import run_job
 from launcher.procutil import free_port
 from tests.conftest import REPO, pids_mentioning
@@ -33,7 +33,7 @@ def taken_port():
 def _quiet_ui():
     from rich.console import Console
 
-    from launcher.console import RunUI
+    from launcher.ui.console import RunUI
 
     return RunUI(Console(file=io.StringIO()), quiet=True)
 
@@ -45,10 +45,10 @@ def test_a_port_taken_before_the_agent_binds_it_is_replaced(tmp_path, taken_port
         handed_out.append(taken_port if not handed_out else free_port(host))
         return handed_out[-1]
 
-    monkeypatch.setattr(launcher.api, "free_port", first_taken_then_free)
+    monkeypatch.setattr(launcher.control.api, "free_port", first_taken_then_free)
     monkeypatch.syspath_prepend(str(REPO))
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    result = run_job(JOB, out=tmp_path / "runs", ui=_quiet_ui())
+    result = run_job(JOB, out=tmp_path / "runs", events=_quiet_ui())
     assert result.status == "succeeded", result.data.get("failure")
     stage = result.run_dir / "world2"
     assert handed_out[0] == taken_port and len(handed_out) == 2
@@ -60,9 +60,9 @@ def test_a_port_taken_before_the_agent_binds_it_is_replaced(tmp_path, taken_port
 
 
 def test_a_port_that_stays_taken_fails_with_a_clear_reason(tmp_path, taken_port, monkeypatch):
-    monkeypatch.setattr(launcher.api, "free_port", lambda host="127.0.0.1": taken_port)
+    monkeypatch.setattr(launcher.control.api, "free_port", lambda host="127.0.0.1": taken_port)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    result = run_job(JOB, out=tmp_path / "runs", ui=_quiet_ui())
+    result = run_job(JOB, out=tmp_path / "runs", events=_quiet_ui())
     assert result.status == "failed"
     assert f"rendezvous port {taken_port} on" in result.data["failure"]["summary"]
     assert "already in use" in result.data["failure"]["summary"]

@@ -61,8 +61,8 @@ def test_a_second_signal_stops_at_once():
     """The first Ctrl-C asks for an orderly teardown; a second one (teardown waiting on a host
     that does not answer) ends the launcher at once. What it started dies with it, as after the
     SIGKILL above."""
-    from launcher.api import _stop_on_signals
-    from launcher.supervisor import StopRequest
+    from launcher.control.api import _stop_on_signals
+    from launcher.control.runloop import StopRequest
 
     stop = StopRequest()
     # what the test runner started with: Python's default, or SIG_IGN when run in the background

@@ -11,9 +11,9 @@ from __future__ import annotations
 import io
 import json
 
-import launcher.api
+import launcher.control.api
 from launcher import run_job
-from launcher.cluster import PreflightError
+from launcher.spec.cluster import PreflightError
 from launcher.procutil import free_port
 from tests.conftest import REPO, pids_mentioning
 
@@ -23,7 +23,7 @@ JOB = REPO / "benchmarks" / "jobs" / "allreduce.yaml"
 def test_a_stage_that_cannot_start_keeps_the_finished_stages(tmp_path, monkeypatch):
     from rich.console import Console
 
-    from launcher.console import RunUI
+    from launcher.ui.console import RunUI
 
     calls = []
 
@@ -33,10 +33,10 @@ def test_a_stage_that_cannot_start_keeps_the_finished_stages(tmp_path, monkeypat
             raise PreflightError(["h1: cannot pick a rendezvous port: unreachable over SSH (10.0.0.1:22): timed out"])
         return free_port(host)
 
-    monkeypatch.setattr(launcher.api, "free_port", first_host_gone_after_one_stage)
+    monkeypatch.setattr(launcher.control.api, "free_port", first_host_gone_after_one_stage)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     shown = io.StringIO()
-    result = run_job(JOB, overrides=["scaling.workers=[1,2]"], out=tmp_path / "runs", ui=RunUI(Console(file=shown, width=200)))
+    result = run_job(JOB, overrides=["scaling.workers=[1,2]"], out=tmp_path / "runs", events=RunUI(Console(file=shown, width=200)))
     assert result.status == "failed"
     saved = json.loads((result.run_dir / "result.json").read_text())
     assert [(s["world_size"], s["status"]) for s in saved["stages"]] == [(1, "succeeded")]

@@ -42,9 +42,9 @@ def test_ranks_start_the_way_the_spec_says_and_compute_the_same(tmp_path, start_
         # both ranks are children of the same server, which preloaded torch and the runtime
         assert len(parents) == 1
         assert "multiprocessing.forkserver" in lineage[0]["parent_cmdline"]
-        assert "launcher.rank_preload" in lineage[0]["parent_cmdline"]
+        assert "launcher.runtime.rank_preload" in lineage[0]["parent_cmdline"]
     else:
-        assert len(parents) == 1 and "launcher.agent" in lineage[0]["parent_cmdline"]
+        assert len(parents) == 1 and "launcher.runtime.agent" in lineage[0]["parent_cmdline"]
         assert "--start-method=spawn" in lineage[0]["parent_cmdline"]
     for rank in ranks:
         assert rank["phases"]["spawned"] <= rank["phases"]["started"] <= rank["phases"]["imported"]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from launcher.api import run_job
-from launcher.console import RunUI
+from launcher.control.api import run_job
+from launcher.ui.console import RunUI
 
 WORKLOAD = """\
 from pydantic import BaseModel, ConfigDict
@@ -47,7 +47,7 @@ def _run(root: Path, project: Path, params: str) -> dict:
         f"env: {{PYTHONPATH: '{project}'}}\n"
     )
     quiet = RunUI(Console(file=io.StringIO()), quiet=True)
-    run = run_job(spec, out=root / "runs", ui=quiet)
+    run = run_job(spec, out=root / "runs", events=quiet)
     assert run.ok, run.data.get("failure")
     return run.data
 

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
 import pytest
 
 from launcher import procutil
@@ -40,8 +41,8 @@ def descendants(root: int) -> set[int]:
 
 def _is_zombie(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
@@ -70,10 +71,8 @@ def wait_no_orphans(baseline: set[int], exclude_trees: tuple[int, ...] = (), tim
 
 
 def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+    """The command line as one string ("" once the process is gone)."""
+    return " ".join(procutil.cmdline(pid))
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import main
+from launcher.ui.cli import main
 from tests.conftest import REPO
 
 BASE = "name: bad\nentrypoint: launcher.workloads.matmul:run\n"  # lines 1-2

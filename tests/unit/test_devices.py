@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.devices import apply_visible_devices, cpu, discover, num_gpus, parse_nvidia_smi_csv, try_all_gpus, try_gpu
+from launcher.runtime.devices import apply_visible_devices, cpu, discover, num_gpus, parse_nvidia_smi_csv, try_all_gpus, try_gpu
 
 DATA = Path(__file__).parent / "data"
 
@@ -64,7 +64,7 @@ def test_discover_without_driver_reports_cpu_only():
 def test_inventory_round_trips_through_json():
     import json
 
-    from launcher.devices import NodeInventory
+    from launcher.runtime.devices import NodeInventory
 
     inv = discover(query=recorded("nvidia_smi_h100x4.csv"), env={})
     again = NodeInventory.from_dict(json.loads(inv.to_json()))
@@ -105,11 +105,11 @@ def test_mig_devices_are_counted_not_dropped_to_cpu():
 def test_a_plan_counts_the_gpus_the_jobs_env_leaves_visible(tmp_path, monkeypatch):
     import functools
 
-    import launcher.api
-    from launcher.api import dry_run
-    from launcher.spec import load_job
+    import launcher.control.api
+    from launcher.control.api import dry_run
+    from launcher.spec.model import load_job
 
-    monkeypatch.setattr(launcher.api, "discover", functools.partial(discover, query=recorded("nvidia_smi_h100x4.csv"), env={}))
+    monkeypatch.setattr(launcher.control.api, "discover", functools.partial(discover, query=recorded("nvidia_smi_h100x4.csv"), env={}))
     spec = tmp_path / "j.yaml"
     spec.write_text("name: j\nentrypoint: launcher.workloads.matmul:run\nenv: {CUDA_VISIBLE_DEVICES: '2,3'}\n")
     (plan,) = dry_run(load_job(spec)).plans

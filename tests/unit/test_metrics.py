@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher.metrics import MetricsRecorder
+from launcher.runtime.metrics import MetricsRecorder
 
 
 def test_values_and_timers_come_back_once_in_order():

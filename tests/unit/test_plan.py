@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.devices import discover
+from launcher.backends.torchrun import TorchrunBackend, agent_argv
+from launcher.control.planning import NodeTarget, RankPlacement, make_plans, place_ranks
 from launcher.errors import PlanError
-from launcher.plan import NodeTarget, make_plans
-from launcher.spec import load_job
+from launcher.protocol import WorkerConfig
+from launcher.runtime.devices import discover
+from launcher.spec.model import load_job
 
 DATA = Path(__file__).parent / "data"
 
@@ -39,14 +41,14 @@ def test_gpu_node_gets_one_rank_per_gpu_on_its_own_device(tmp_path):
     (plan,) = plans(tmp_path, "", [node("gpu-a", "nvidia_smi_h100x4.csv")])
     assert plan.world_size == 4
     assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
-    assert {r.pg_backend for r in plan.ranks} == {"nccl"}
+    assert plan.pg_backend == "nccl" and plan.worker.pg_backend == "nccl"
     assert plan.worker.device_type == "cuda"
 
 
 def test_cpu_node_uses_gloo_and_shares_the_cores(tmp_path):
     (plan,) = plans(tmp_path, "resources: {cpu_workers: 2}\n", [node("laptop", cpus=8)])
     assert [r.device for r in plan.ranks] == ["cpu", "cpu"]
-    assert {r.pg_backend for r in plan.ranks} == {"gloo"}
+    assert plan.pg_backend == "gloo"
     assert plan.worker.threads_per_worker == 4
     assert plan.nodes[0].env["OMP_NUM_THREADS"] == "4"
 
@@ -63,8 +65,8 @@ def test_two_nodes_number_ranks_host_by_host(tmp_path):
         (2, "bb", 0, "cuda:0"),
         (3, "bb", 1, "cuda:1"),
     ]
-    assert plan.master_addr == "10.0.0.1"
-    argv = plan.nodes[1].argv
+    assert plan.rendezvous.addr == "10.0.0.1"
+    argv = agent_argv(plan, plan.nodes[1])
     assert "--node-rank=1" in argv and "--nnodes=2" in argv and "--master-addr=10.0.0.1" in argv
     assert "--master-port=41234" in argv and "--rdzv-backend=static" in argv
 
@@ -105,17 +107,19 @@ def test_rank_env_is_what_torchrun_gives_a_script(tmp_path):
 
 def test_torchrun_command_is_plain_torchrun_with_the_same_arguments(tmp_path):
     (plan,) = plans(tmp_path, "", [node("h")])
-    cmd = shlex.split(plan.nodes[0].torchrun_command())
-    assert cmd[0] == "torchrun" and cmd[1:] == list(plan.nodes[0].argv[3:])
+    request = TorchrunBackend.launch_request(plan)
+    assert request.backend == "torchrun" and request.commands[0].startswith("[h] $ torchrun ")
+    cmd = shlex.split(request.commands[0].partition(" $ ")[2])
+    assert cmd[0] == "torchrun" and cmd[1:] == list(agent_argv(plan, plan.nodes[0])[3:])
     assert "29500" not in " ".join(cmd)
 
 
 def test_entrypoint_ranks_are_forked_from_a_forkserver_unless_the_spec_says_spawn(tmp_path):
     (plan,) = plans(tmp_path, "", [node("laptop", cpus=2)])
-    assert "--start-method=forkserver" in plan.nodes[0].argv
+    assert "--start-method=forkserver" in agent_argv(plan, plan.nodes[0])
     assert plan.nodes[0].env["GPULAUNCH_STAGE_DIR"] == str(plan.stage_dir)
     (plan,) = plans(tmp_path, "start_method: spawn\n", [node("laptop", cpus=2)])
-    assert "--start-method=spawn" in plan.nodes[0].argv
+    assert "--start-method=spawn" in agent_argv(plan, plan.nodes[0])
 
 
 def test_a_script_always_gets_a_fresh_interpreter(tmp_path):
@@ -123,7 +127,7 @@ def test_a_script_always_gets_a_fresh_interpreter(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("name: s\nscript: train.py\n")
     (plan,) = make_plans(load_job(path), [node("laptop", cpus=2)], run_dir=tmp_path / "run", master_port=41234)
-    assert "--start-method=spawn" in plan.nodes[0].argv
+    assert "--start-method=spawn" in agent_argv(plan, plan.nodes[0])
 
 
 @pytest.mark.parametrize("value, threads", [("1", 1), (3, 3), ("4,2", None)])
@@ -140,13 +144,11 @@ def test_the_timeouts_reach_the_worker(tmp_path):
     assert (plan.worker.rendezvous_timeout_s, plan.worker.collective_timeout_s) == (7, 900)
     (plan,) = plans(tmp_path, "", [node("laptop", cpus=2)])
     assert plan.worker.collective_timeout_s is None  # torch's default for the process-group backend
-    from launcher.plan import WorkerConfig
-
     assert WorkerConfig.from_json(plan.worker.to_json()) == plan.worker
 
 
 def test_gpus_asked_for_on_a_cpu_only_node_run_on_the_cpu_and_say_so(tmp_path):
-    from launcher.plan import device_notes
+    from launcher.control.planning import device_notes
 
     spec = job(tmp_path, "resources: {gpus_per_node: 4, cpu_workers: 2}\n")
     laptop = [node("laptop", cpus=8)]
@@ -156,3 +158,42 @@ def test_gpus_asked_for_on_a_cpu_only_node_run_on_the_cpu_and_say_so(tmp_path):
     assert note.startswith("resources.gpus_per_node is 4, but laptop has no visible GPU: running on the CPU")
     assert device_notes(job(tmp_path, "resources: {gpus_per_node: auto}\n"), laptop, "cpu") == []
     assert device_notes(spec, [node("g", "nvidia_smi_h100x4.csv")], "cuda") == []
+
+
+def test_the_ranks_get_the_resolved_params_the_dry_run_shows(tmp_path):
+    (plan,) = plans(tmp_path, "params: {sizes: [64]}\n", [node("laptop", cpus=2)])
+    # the workload's defaults filled in by the launcher, once: the ranks do not resolve them again
+    assert plan.worker.params["sizes"] == [64] and "warmup" in plan.worker.params
+    assert plan.masked()["params"] == dict(plan.worker.params)
+
+
+def test_a_placed_stage_is_laid_out_by_the_planner_from_where_the_scheduler_put_the_ranks(tmp_path):
+    (pool_plan,) = plans(tmp_path, "resources: {cpu_workers: 3}\n", [node("ray", cpus=8)])
+    placed = place_ranks(
+        pool_plan,
+        [
+            RankPlacement(0, "n-a", "host-a", "10.1.0.1", cpus=4, ifname="eth0", port=5555),
+            RankPlacement(1, "n-b", "host-b", "10.1.0.2", cpus=6, ifname="eth1"),
+            RankPlacement(2, "n-a", "host-a", "10.1.0.1", cpus=4, ifname="eth0"),
+        ],
+    )
+    assert [(r.rank, r.node_rank, r.local_rank, r.host) for r in placed.ranks] == [
+        (0, 0, 0, "host-a"), (1, 1, 0, "host-b"), (2, 0, 1, "host-a")
+    ]
+    assert [(n.host, n.nproc, n.threads) for n in placed.nodes] == [("host-a", 2, 2), ("host-b", 1, 6)]
+    assert str(placed.rendezvous) == "10.1.0.1:5555"
+    env = placed.rank_env(placed.ranks[2])
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("1", "2", "0", "2")
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["OMP_NUM_THREADS"] == "2"
+    assert placed.worker_for(placed.nodes[1]).threads_per_worker == 6
+
+
+def test_placed_gpus_are_each_nodes_granted_devices_with_every_rank_on_its_own(tmp_path):
+    (pool_plan,) = plans(tmp_path, "", [node("g", "nvidia_smi_h100x4.csv")])
+    placed = place_ranks(
+        pool_plan,
+        [RankPlacement(r, "n", "g", "10.1.0.1", cpus=16, gpu_ids=(gpu,)) for r, gpu in enumerate(["3", "1", "0", "2"])],
+    )
+    assert placed.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert [r.device for r in placed.ranks] == ["cuda:3", "cuda:1", "cuda:0", "cuda:2"]
+    assert placed.rank_env(placed.ranks[0])["GPULAUNCH_GRANTED_GPU"] == "3"

@@ -11,9 +11,9 @@ import launcher
 def test_public_names_are_pinned():
     assert launcher.__all__ == sorted(
         [
-            "DryRun", "JobSpec", "LauncherError", "MetricsRecorder", "NodeInventory", "PlanError", "RunResult",
-            "SpecError", "WorkerContext", "cpu", "discover", "dry_run", "gpu", "load_job", "load_result",
-            "num_gpus", "run_job", "try_all_gpus", "try_gpu",
+            "DryRun", "JobSpec", "LauncherError", "MetricsRecorder", "NodeInventory", "PlainEvents", "PlanError",
+            "RunEvents", "RunResult", "SpecError", "StopRequest", "WorkerContext", "cpu", "discover", "dry_run", "gpu",
+            "load_job", "load_result", "num_gpus", "run_job", "try_all_gpus", "try_gpu",
         ]
     )
     for name in launcher.__all__:
@@ -23,7 +23,7 @@ def test_public_names_are_pinned():
 def test_help_validate_and_dry_run_import_neither_torch_nor_ray():
     code = (
         "import sys\n"
-        "from launcher.cli import main\n"
+        "from launcher.ui.cli import main\n"
         "for argv in (['validate', 'jobs/matmul_scaling.yaml'], ['jobs/matmul_scaling.yaml', '--dry-run', '--json']):\n"
         "    assert main(argv) == 0\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray'))\n"
@@ -34,7 +34,7 @@ def test_help_validate_and_dry_run_import_neither_torch_nor_ray():
 
 
 def test_cli_main_maps_errors_to_exit_codes(capsys, tmp_path):
-    from launcher.cli import main
+    from launcher.ui.cli import main
 
     assert main(["no/such/job.yaml"]) == 2
     assert capsys.readouterr().err.strip() == "error: no/such/job.yaml: no such job spec"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import SpecError
-from launcher.spec import load_job, mask_env
+from launcher.masking import mask_env
+from launcher.spec.model import load_job
 from tests.conftest import REPO
 
 GOOD = """\
@@ -185,7 +186,7 @@ def test_resolved_params_fill_in_the_workloads_defaults(tmp_path):
 
 @pytest.mark.parametrize("job", sorted(p.stem for p in (REPO / "jobs").glob("*.yaml")))
 def test_every_shipped_job_fits_its_workloads_params(job):
-    from launcher.entrypoint import check_entrypoint
+    from launcher.spec.entrypoint import check_entrypoint
 
     loaded = load_job(REPO / "jobs" / f"{job}.yaml")
     model = check_entrypoint(loaded.spec.entrypoint, "", loaded.path)

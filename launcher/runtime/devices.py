@@ -219,5 +219,5 @@ def try_all_gpus() -> list["torch.device"]:
     return [gpu(i) for i in range(num_gpus())] or [cpu()]
 
 
-if __name__ == "__main__":  # used by remote preflight: `python -m launcher.devices`
+if __name__ == "__main__":  # used by remote preflight: `python -m launcher.runtime.devices`
     print(discover().to_json())

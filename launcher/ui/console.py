@@ -20,9 +20,12 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from launcher.devices import NodeInventory
-from launcher.plan import LaunchPlan
-from launcher.spec import mask_env
+from launcher.backends.base import LaunchRequest
+from launcher.control.events import RunEvents, StageProgress
+from launcher.control.planning import StagePlan
+from launcher.masking import mask_env
+from launcher.results.store import RunResult
+from launcher.runtime.devices import NodeInventory
 
 _RANK_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 
@@ -59,23 +62,23 @@ def devices_table(inv: NodeInventory, cpu_workers: int) -> list[Any]:
     return out
 
 
-def plan_renderables(plans: Sequence[LaunchPlan], commands: Sequence[Sequence[str]]) -> list[Any]:
-    """Per stage: the rank table, each node's env, and what the backend would run (its own lines)."""
+def plan_renderables(plans: Sequence[StagePlan], requests: Sequence[LaunchRequest]) -> list[Any]:
+    """Per stage: the rank table, each node's env, and the backend's own launch request."""
     out: list[Any] = []
     # host names and log paths may wrap: they are what is long, the rest is short and must stay whole
     names = ("rank", "node", "host", "local", "device", "pg", "log")
     columns = [_Col(name, justify="left", whole=name not in ("host", "log")) for name in names]
-    for plan, cmds in zip(plans, commands):
+    for plan, request in zip(plans, requests):
         rows = [
-            (str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, r.pg_backend, r.log_path)
+            (str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, plan.pg_backend, str(plan.paths.log(r.rank)))
             for r in plan.ranks
         ]
-        title = f"{plan.job}: world size {plan.world_size}, rendezvous {plan.master_addr}:{plan.master_port}"
+        title = f"{plan.job}: world size {plan.world_size}, rendezvous {plan.rendezvous}"
         out.append(_FittedTable(title, columns, rows))
         for node in plan.nodes:
             env = " ".join(f"{k}={v}" for k, v in mask_env(node.env).items())
             out.append(Text(f"[{node.host}] env: {env}", style="dim"))
-        out.extend(Text(line) for line in cmds)
+        out.extend(Text(line) for line in request.lines())
     return out
 
 
@@ -283,7 +286,7 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-class RunUI:
+class RunUI(RunEvents):
     """Console side of a run. ``quiet`` keeps only rank output off; errors are always shown."""
 
     def __init__(self, console: Console | None = None, *, quiet: bool = False, echo_ranks: bool = True) -> None:
@@ -297,16 +300,20 @@ class RunUI:
         if not self.quiet:
             self.console.print(*things)
 
-    def echo(self, source: str, text: str) -> None:
+    def rank_output(self, source: str, text: str) -> None:
         if not self.echo_ranks:
             return
         rank = source.rpartition(":")[2]
         style = _RANK_STYLES[int(rank) % len(_RANK_STYLES)] if rank.isdigit() else "dim"
+        line = Text.assemble((f"{source} ", style), text) if source else Text(text)
         with self._lock:
-            self.console.print(Text.assemble((f"{source} ", style), text), highlight=False, markup=False, soft_wrap=True)
+            self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
         self.print(Text(f"note: {text}", style="yellow"))
+
+    def message(self, text: str) -> None:
+        self.print(Text(f"launcher: {text}", style="dim"))
 
     def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
         self.print(Text(f"▶ {job}: world size {world_size} on {device_type} ({backend})", style="bold"))
@@ -314,19 +321,23 @@ class RunUI:
             self._live = Live(Text(""), console=self.console, refresh_per_second=4, transient=True)
             self._live.start()
 
-    def progress(self, plan: LaunchPlan, snap: Mapping[str, Any]) -> None:
+    def progress(self, plan: StagePlan, progress: StageProgress) -> None:
         if self._live is None:
             return
-        phases = ", ".join(f"{n} {p}" for p, n in sorted(snap["phases"].items()))
-        steps = snap["steps_max"] if snap["steps_min"] == snap["steps_max"] else f"{snap['steps_min']}-{snap['steps_max']}"
-        self._live.update(Text(f"  world {plan.world_size} · {phases} · steps {steps} · {snap['elapsed_s']:.1f}s", style="dim"))
+        phases = ", ".join(f"{n} {p}" for p, n in sorted(progress.phases.items()))
+        low, high = progress.steps_min, progress.steps_max
+        steps = high if low == high else f"{low}-{high}"
+        self._live.update(Text(f"  world {plan.world_size} · {phases} · steps {steps} · {progress.elapsed_s:.1f}s", style="dim"))
 
     def stage_finished(self) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
 
-    def finished(self, result: Mapping[str, Any], run_dir: str) -> None:
+    def finished(self, result: RunResult) -> None:
+        self.show_result(result.data, result.run_dir)
+
+    def show_result(self, result: Mapping[str, Any], run_dir: Any) -> None:
         for thing in summary_renderables(result):
             self.console.print(thing)
         self.console.print(Text(f"run directory: {run_dir}", style="bold"))

@@ -10,9 +10,9 @@ import os
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
-import launcher.context  # noqa: F401
-import launcher.metrics  # noqa: F401
-import launcher.worker  # noqa: F401
+import launcher.runtime.context  # noqa: F401
+import launcher.runtime.metrics  # noqa: F401
+import launcher.runtime.worker  # noqa: F401
 
 # The ranks' parent: each rank asks to die with it (the server itself ends with its agent).
 SERVER_PID = os.getpid()

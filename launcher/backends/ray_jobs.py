@@ -2,7 +2,7 @@
 
 ``launch JOB.yaml --backend ray --address http://HOST:8265`` submits the launcher itself as the
 Ray job: a copy of the job's directory (plus the effective spec, overrides applied) is the job's
-working dir, ``python -m launcher.ray_jobs inside SPEC`` the entrypoint, and the Ray backend inside
+working dir, ``python -m launcher.backends.ray_jobs inside SPEC`` the entrypoint, and the Ray backend inside
 connects to that cluster instead of embedding one. The job's logs stream to the console; at the
 end the cluster-side launcher prints its run directory as a tagged, checksummed bundle in its last
 log lines, which is unpacked under the user's ``--out`` so ``result.json`` is where it would be
@@ -16,7 +16,6 @@ import base64
 import contextlib
 import hashlib
 import io
-import json
 import os
 import shutil
 import signal
@@ -25,10 +24,17 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, LauncherError
+from launcher.control.events import PlainEvents, RunEvents
+from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, LauncherError
 from launcher.procutil import handling_stop_signals
+from launcher.protocol import ENV_RAY_CONNECT as CONNECT_ENV
+from launcher.results.store import RunResult, load_result, write_result
+
+if TYPE_CHECKING:
+    from launcher.spec.model import LoadedJob
 
 SPEC_FILE = "_gpulaunch_job.yaml"
 BUNDLE_TAG = "@gpulaunch-bundle "
@@ -88,7 +94,7 @@ def _one_line(exc: BaseException) -> str:
 # --- submit and wait ---------------------------------------------------------------------------------
 
 
-def _effective_spec(job: Any) -> dict[str, Any]:
+def _effective_spec(job: LoadedJob) -> dict[str, Any]:
     data = job.spec.model_dump(mode="json")
     data["backend"] = "ray"
     data["extends"] = None  # merged already
@@ -97,7 +103,7 @@ def _effective_spec(job: Any) -> dict[str, Any]:
     return data
 
 
-def _working_dir(job: Any) -> Path:
+def _working_dir(job: LoadedJob) -> Path:
     import yaml
 
     root = Path(tempfile.mkdtemp(prefix="gpulaunch-submit-"))
@@ -111,50 +117,60 @@ def _working_dir(job: Any) -> Path:
     return work
 
 
-def submit_and_wait(job: Any, *, address: str, out: str | Path, overrides: Sequence[str] = (), quiet: bool = False) -> int:
-    """Submit ``job`` to the cluster, stream its logs, bring ``result.json`` back; the job's exit code."""
-    from launcher.api import new_run_id
+def submit_and_wait(job: LoadedJob, *, address: str, out: str | Path, events: RunEvents) -> RunResult:
+    """Submit ``job`` to the cluster, stream its logs, bring its run directory back under ``out``.
+    Raises LauncherError when the job ended without sending its result back."""
     from launcher.backends.ray import check_single_pool, job_metadata
-    from launcher.spec import JobSpec
+    from launcher.control.api import new_run_id
+    from launcher.spec.model import JobSpec
 
     check_single_pool(job)  # a Ray-specific message for resources.nodes > 1, before submitting
     jobs = client(address)
     address = _check_address(address)
+    job_id = f"{job.spec.name}-{new_run_id()}"
+    metadata = job_metadata(JobSpec.model_validate(_effective_spec(job)))  # the spec run inside
+    try:
+        with _signals_interrupt():
+            job_id = _submit(jobs, job, job_id, metadata, address)
+            events.message(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})")
+            status, logs = _follow(jobs, job_id, echo=events.rank_output)
+    except _Interrupted as exc:
+        _stop_after_interrupt(jobs, job_id, exc.signame, events)
+        status, logs = _status(jobs, job_id), jobs.get_job_logs(job_id)
+    run_dir = unpack_bundle(logs, Path(out))
+    if run_dir is None:
+        raise LauncherError(
+            f"Ray job {job_id} ended {status} without sending its result back (see: launch logs {job_id} --address {address})",
+            exit_code=EXIT_INTERRUPTED if status == "STOPPED" else _exit_code(jobs.get_job_info(job_id)),
+        )
+    data = load_result(run_dir) or {}
+    data["run_dir"] = str(run_dir)  # where it is now, not the cluster's temporary directory
+    write_result(run_dir, data)
+    result = RunResult(data, run_dir, tuple(str(run_dir / p) for p in data.get("plots", [])))
+    events.finished(result)
+    return result
+
+
+def _submit(jobs: Any, job: LoadedJob, submission_id: str, metadata: dict[str, str], address: str) -> str:
     import launcher
 
     work = _working_dir(job)
-    job_id = submission_id = f"{job.spec.name}-{new_run_id()}"
     try:
-        with _signals_interrupt():
-            try:
-                job_id = jobs.submit_job(
-                    entrypoint=f"python -m launcher.ray_jobs inside {SPEC_FILE}",
-                    submission_id=submission_id,
-                    metadata=job_metadata(JobSpec.model_validate(_effective_spec(job))),  # the spec run inside
-                    runtime_env={
-                        "working_dir": str(work),
-                        "py_modules": [str(Path(launcher.__file__).parent)],
-                        "excludes": ["__pycache__", "*.pyc"],
-                        "env_vars": {"GPULAUNCH_RAY_CONNECT": "1", "PYTHONUNBUFFERED": "1"},
-                    },
-                )
-            except Exception as exc:  # noqa: BLE001
-                raise LauncherError(f"cannot submit to {address}: {_one_line(exc)}", exit_code=EXIT_JOB_FAILED) from None
-            finally:
-                shutil.rmtree(work.parent, ignore_errors=True)
-            print(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})", file=sys.stderr, flush=True)
-            status, logs = _follow(jobs, job_id, echo=not quiet)
-    except _Interrupted as exc:
-        _stop_after_interrupt(jobs, job_id, exc.signame)
-        return EXIT_INTERRUPTED
-    run_dir = unpack_bundle(logs, Path(out))
-    info = jobs.get_job_info(job_id)
-    code = EXIT_OK if status == "SUCCEEDED" else _exit_code(info)
-    if run_dir is None:
-        print(f"error: Ray job {job_id} ended {status} without sending its result back (see: launch logs {job_id} --address {address})", file=sys.stderr)
-        return code or EXIT_JOB_FAILED
-    print(f"Ray job {job_id}: {status}; result: {run_dir / 'result.json'}", file=sys.stderr, flush=True)
-    return code
+        return jobs.submit_job(
+            entrypoint=f"python -m launcher.backends.ray_jobs inside {SPEC_FILE}",
+            submission_id=submission_id,
+            metadata=metadata,
+            runtime_env={
+                "working_dir": str(work),
+                "py_modules": [str(Path(launcher.__file__).parent)],
+                "excludes": ["__pycache__", "*.pyc"],
+                "env_vars": {CONNECT_ENV: "1", "PYTHONUNBUFFERED": "1"},
+            },
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise LauncherError(f"cannot submit to {address}: {_one_line(exc)}", exit_code=EXIT_JOB_FAILED) from None
+    finally:
+        shutil.rmtree(work.parent, ignore_errors=True)
 
 
 class _Interrupted(KeyboardInterrupt):
@@ -175,23 +191,23 @@ def _signals_interrupt() -> contextlib.AbstractContextManager[None]:
     return handling_stop_signals(handler)
 
 
-def _stop_after_interrupt(jobs: Any, job_id: str, signame: str) -> None:
+def _stop_after_interrupt(jobs: Any, job_id: str, signame: str, events: RunEvents) -> None:
     """Stop the submitted job and wait up to STOP_WAIT_S for it to end; a second signal stops the
     waiting (not the stop request, which has been sent)."""
-    print(f"interrupted ({signame}): stopping Ray job {job_id}", file=sys.stderr, flush=True)
+    events.message(f"interrupted ({signame}): stopping Ray job {job_id}")
     try:
         with _signals_interrupt():
             status = _stop_and_wait(jobs, job_id, STOP_WAIT_S)
     except _Interrupted:
-        print(f"interrupted again: not waiting for Ray job {job_id} to stop (see: launch status {job_id})", file=sys.stderr, flush=True)
+        events.message(f"interrupted again: not waiting for Ray job {job_id} to stop (see: launch status {job_id})")
         return
     except LauncherError as exc:  # e.g. interrupted before the submission reached the cluster
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        events.message(f"error: {exc}")
         return
     if status in TERMINAL:
-        print(f"Ray job {job_id}: {status}", file=sys.stderr, flush=True)
+        events.message(f"Ray job {job_id}: {status}")
     else:
-        print(f"warning: Ray job {job_id} is still {status} after {STOP_WAIT_S:g}s (see: launch status {job_id})", file=sys.stderr, flush=True)
+        events.message(f"warning: Ray job {job_id} is still {status} after {STOP_WAIT_S:g}s (see: launch status {job_id})")
 
 
 def _exit_code(info: Any) -> int:
@@ -199,20 +215,20 @@ def _exit_code(info: Any) -> int:
     return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED) else EXIT_JOB_FAILED
 
 
-def _follow(jobs: Any, job_id: str, *, echo: bool) -> tuple[str, str]:
-    """Print new log lines until the job ends; return its final status and complete log."""
+def _follow(jobs: Any, job_id: str, *, echo: Callable[[str, str], None] | None) -> tuple[str, str]:
+    """Pass new log lines to ``echo`` until the job ends; return its final status and complete log."""
     shown = 0
     while True:
         status = _status(jobs, job_id)
         logs = jobs.get_job_logs(job_id)
         complete = logs[: logs.rfind("\n") + 1]  # whole lines only; the rest comes next time
         if echo:
-            _print_lines(complete[shown:])
+            _echo_lines(complete[shown:], echo)
         shown = len(complete)
         if status in TERMINAL:
             logs = jobs.get_job_logs(job_id)
             if echo:
-                _print_lines(logs[shown:])
+                _echo_lines(logs[shown:], echo)
             return status, logs
         time.sleep(POLL_S)
 
@@ -222,10 +238,18 @@ def _status(jobs: Any, job_id: str) -> str:
     return str(getattr(status, "value", status))
 
 
-def _print_lines(text: str) -> None:
-    for line in text.splitlines():
-        if not line.startswith((BUNDLE_TAG, BUNDLE_END)):
-            print(line, flush=True)
+def job_log_lines(text: str) -> list[str]:
+    """The job's log lines a person reads: the result bundle's lines left out."""
+    return [line for line in text.splitlines() if not line.startswith((BUNDLE_TAG, BUNDLE_END))]
+
+
+def _echo_lines(text: str, echo: Callable[[str, str], None]) -> None:
+    for line in job_log_lines(text):
+        source, sep, rest = line.partition(" ")
+        if sep and ":" in source:  # "host:rank text", as the launcher inside printed it
+            echo(source, rest)
+        else:
+            echo("", line)  # the launcher's own lines inside the job
 
 
 def _stop_and_wait(jobs: Any, job_id: str, timeout_s: float = 60.0) -> str:
@@ -277,14 +301,26 @@ def unpack_bundle(logs: str, out: Path) -> Path | None:
     return (out / top).resolve()
 
 
+class _JobLogEvents(PlainEvents):
+    """Inside the Ray job: rank lines into the job's log; the summary is the client's to show."""
+
+    def finished(self, result: RunResult) -> None:
+        """Nothing: the cluster-side run directory is temporary (the client unpacks the bundle)."""
+
+
 def inside(argv: Sequence[str]) -> int:
     """The Ray job's entrypoint: run the launcher on this cluster, then send the run dir back."""
-    from launcher.cli import main
+    from launcher.control.api import run_job
 
-    spec = argv[0]
     out = Path(tempfile.mkdtemp(prefix="gpulaunch-job-"))
     try:
-        code = main([spec, "--backend", "ray", "--out", str(out)])
+        try:
+            result = run_job(argv[0], backend="ray", out=out, events=_JobLogEvents())
+            code = result.exit_code
+        except LauncherError as exc:
+            for line in str(exc).splitlines() or ["failed"]:
+                print(f"error: {line}", file=sys.stderr, flush=True)
+            code = exc.exit_code
         sys.stdout.flush()
         runs = sorted(out.glob("*/*/result.json"))
         if runs:
@@ -298,47 +334,42 @@ def inside(argv: Sequence[str]) -> int:
 # --- launch status | logs | stop ----------------------------------------------------------------------
 
 
-def job_command(name: str, argv: Sequence[str]) -> int:
-    import argparse
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    status: str
+    message: str
+    metadata: dict[str, str]
+    entrypoint: str
 
-    from launcher.cli import _Parser
 
-    p = _Parser(prog=f"launch {name}", description=f"{name} a job submitted to a Ray cluster (Ray Jobs API)")
-    p.add_argument("job_id")
-    p.add_argument("--address", help="the Ray dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS)")
-    if name == "logs":
-        p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
-    if name == "status":
-        p.add_argument("--json", action="store_true")
-    args: argparse.Namespace = p.parse_args(list(argv))
-    jobs = client(args.address)
+def job_info(job_id: str, address: str | None) -> JobInfo:
+    jobs = client(address)
     try:
-        info = jobs.get_job_info(args.job_id)
+        info = jobs.get_job_info(job_id)
     except Exception as exc:  # noqa: BLE001
-        raise LauncherError(f"no Ray job {args.job_id!r} at {_check_address(args.address)}: {_one_line(exc)}", exit_code=EXIT_BAD_INPUT) from None
-    if name == "status":
-        status = str(getattr(info.status, "value", info.status))
-        if args.json:
-            print(json.dumps({"job_id": args.job_id, "status": status, "message": info.message, "metadata": info.metadata, "entrypoint": info.entrypoint}, indent=2))
-        else:
-            meta = ", ".join(f"{k}={v}" for k, v in sorted((info.metadata or {}).items()))
-            print(f"{args.job_id}: {status}  {info.message or ''}".rstrip())
-            if meta:
-                print(f"  {meta}")
-        return EXIT_OK
-    if name == "logs":
-        if args.follow:
-            _follow(jobs, args.job_id, echo=True)
-        else:
-            _print_lines(jobs.get_job_logs(args.job_id))
-        return EXIT_OK
-    status = _stop_and_wait(jobs, args.job_id)
-    print(f"{args.job_id}: {status}")
-    return EXIT_OK if status in TERMINAL else EXIT_JOB_FAILED
+        raise LauncherError(f"no Ray job {job_id!r} at {_check_address(address)}: {_one_line(exc)}", exit_code=EXIT_BAD_INPUT) from None
+    status = str(getattr(info.status, "value", info.status))
+    return JobInfo(job_id, status, info.message or "", dict(info.metadata or {}), info.entrypoint)
+
+
+def job_logs(job_id: str, address: str | None, *, follow: bool, echo: Callable[[str, str], None]) -> None:
+    job_info(job_id, address)  # a clear error for an unknown job
+    jobs = client(address)
+    if follow:
+        _follow(jobs, job_id, echo=echo)
+    else:
+        _echo_lines(jobs.get_job_logs(job_id), echo)
+
+
+def stop_job(job_id: str, address: str | None) -> str:
+    """Stop a submitted job and wait for it to end; its final status."""
+    job_info(job_id, address)
+    return _stop_and_wait(client(address), job_id)
 
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "inside":
         sys.exit(inside(sys.argv[2:]))
-    print("usage: python -m launcher.ray_jobs inside SPEC.yaml", file=sys.stderr)
+    print("usage: python -m launcher.backends.ray_jobs inside SPEC.yaml", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)

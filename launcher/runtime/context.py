@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     import torch
 
-    from launcher.metrics import MetricsRecorder
+    from launcher.runtime.metrics import MetricsRecorder
 
 
 @dataclass(frozen=True)

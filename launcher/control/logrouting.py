@@ -13,31 +13,14 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import IO, Callable, Iterable, Mapping
+from typing import IO, Callable, Iterable
 
-from launcher.agent import FAILURE_TAG
-from launcher.plan import LOG_PREFIX_SEPARATOR
-from launcher.spec import SECRET_NAME
-
-MASK = "****"
-MIN_SECRET_LEN = 4  # shorter values ("1", "on") would mask ordinary text
+from launcher.masking import redact
+from launcher.protocol import AGENT_FAILURE_TAG, LOG_PREFIX_SEPARATOR
 
 _RANK_LINE = re.compile(r"^(?P<host>[^\s|]+):(?P<rank>\d+)" + re.escape(LOG_PREFIX_SEPARATOR))
 
 Echo = Callable[[str, str], None]  # (source like "host:3" or "agent host", text)
-
-
-def secret_values(env: Mapping[str, str]) -> tuple[str, ...]:
-    """The values of secret-looking env names (``*TOKEN*``, ``*KEY*``, ...), longest first."""
-    found = {v for k, v in env.items() if SECRET_NAME.search(k) and isinstance(v, str) and len(v) >= MIN_SECRET_LEN}
-    return tuple(sorted(found, key=len, reverse=True))
-
-
-def redact(text: str, secrets: Iterable[str]) -> str:
-    for value in secrets:
-        if value in text:
-            text = text.replace(value, MASK)
-    return text
 
 
 class LogRouter:
@@ -90,9 +73,9 @@ class LogRouter:
             if self.echo:
                 self.echo(f"{match['host']}:{match['rank']}", text)
             return
-        if line.startswith(FAILURE_TAG):
+        if line.startswith(AGENT_FAILURE_TAG):
             try:
-                record = json.loads(line[len(FAILURE_TAG) :])
+                record = json.loads(line[len(AGENT_FAILURE_TAG) :])
             except ValueError:
                 record = None
             if isinstance(record, dict):

@@ -1,6 +1,6 @@
 """The runtime inside every rank, shared by all backends.
 
-``python -m launcher.worker STAGE/worker.json`` is what torchrun starts (``forked_rank`` when
+``python -m launcher.runtime.worker STAGE/worker.json`` is what torchrun starts (``forked_rank`` when
 ranks are forked from a forkserver); Ray actors call ``run_rank`` directly. Either way a rank:
 records its start-up phases, initialises the process group on its own device, runs the job's
 entrypoint (or a torchrun script, unchanged), turns any exception into a report with its
@@ -25,7 +25,6 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Mapping, Sequence  # noqa: E402
 
-from launcher.plan import WorkerConfig  # noqa: E402
 from launcher.procutil import (  # noqa: E402
     die_with_parent,
     fast_exit,
@@ -33,8 +32,15 @@ from launcher.procutil import (  # noqa: E402
     process_start_ticks,
     write_json_atomic,
 )
-
-REPORT_VERSION = 1
+from launcher.protocol import (  # noqa: E402
+    ENV_AGENT_PID,
+    ENV_HOST,
+    RankError,
+    RankReport,
+    RankStatus,
+    StagePaths,
+    WorkerConfig,
+)
 
 
 class ProgressBeacon:
@@ -76,44 +82,114 @@ class ProgressBeacon:
         self.write()
 
 
-def _error_report(exc: BaseException) -> dict[str, Any]:
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "time": time.time(),
-    }
+def _error(exc: BaseException) -> RankError:
+    return RankError(
+        type=type(exc).__name__,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        time=time.time(),
+    )
 
 
-def failure_report(
-    *,
-    rank: int,
-    local_rank: int,
-    node_rank: int,
-    world_size: int,
-    host: str,
-    device: str,
-    error_type: str,
-    message: str,
-    traceback_text: str | None = None,
-    at: float | None = None,
-) -> dict[str, Any]:
-    """The report of a rank that failed before (or without) its runtime writing one: same schema
-    as ``run_rank``'s, so the aggregate and the root-cause ranking treat it like any other."""
-    return {
-        "report_version": REPORT_VERSION,
-        "rank": rank,
-        "local_rank": local_rank,
-        "node_rank": node_rank,
-        "world_size": world_size,
-        "host": host,
-        "device": device,
-        "status": "failed",
-        "phases": {},
-        "metrics": {},
-        "result": None,
-        "error": {"type": error_type, "message": message, "traceback": traceback_text or message, "time": at or time.time()},
-    }
+def _new_report(config: WorkerConfig, env: Mapping[str, str], phases: dict[str, float]) -> RankReport:
+    local_rank = int(env["LOCAL_RANK"])
+    return RankReport(
+        rank=int(env["RANK"]),
+        local_rank=local_rank,
+        node_rank=int(env.get("GROUP_RANK", "0")),
+        world_size=int(env["WORLD_SIZE"]),
+        host=env.get(ENV_HOST) or socket.gethostname(),
+        device="cpu" if config.device_type == "cpu" else f"cuda:{local_rank}",
+        phases=phases,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        # where this rank met the others: lets a reader check that concurrent jobs never share one
+        rendezvous=f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}",
+    )
+
+
+class _Rank:
+    """One rank's run, phase by phase: imports, device, the group, the job, the report."""
+
+    def __init__(self, config: WorkerConfig, env: Mapping[str, str], phases: dict[str, float]) -> None:
+        self.config = config
+        self.env = env
+        self.phases = phases
+        self.report = _new_report(config, env, phases)
+        self.paths = StagePaths(Path(config.stage_dir))
+        self.beacon = ProgressBeacon(self.paths.progress(self.report.rank))
+        self.recorder: Any = None
+        self.dist: Any = None
+
+    def prepare(self, step_hooks: Sequence[Callable[[int, float], None]]) -> tuple[Any, Any]:
+        """Import torch and the job, pick the device, make the recorder: (entry function, device)."""
+        self.beacon.set_phase("importing")
+        import torch
+        import torch.distributed as dist
+
+        self.dist = dist
+        if self.config.threads_per_worker is not None:  # None: the spec's OMP_NUM_THREADS, read by torch itself
+            torch.set_num_threads(self.config.threads_per_worker)
+        entry = _load_entrypoint(self.config.entrypoint) if self.config.entrypoint else None
+        self.phases["imported"] = time.time()
+        device = _select_device(torch, self.config, self.report.local_rank)
+        self.report.device = str(device)
+        from launcher.runtime.metrics import MetricsRecorder
+
+        recorder = MetricsRecorder(device, on_first_step=lambda: self.phases.setdefault("first_step", time.time()))
+        for hook in step_hooks:
+            recorder.add_step_hook(hook)
+        self.recorder = recorder
+        self.beacon.steps = lambda: recorder.steps
+        return entry, device
+
+    def join_group(self, device: Any) -> None:
+        self.beacon.set_phase("rendezvous")
+        joined = _rendezvous(self.dist, self.config)
+        self.phases["joined"] = time.time()  # every rank has arrived
+        self.beacon.set_phase("pg_init")
+        _init_group(self.dist, self.config, device, *joined)
+        self.phases["pg_ready"] = time.time()
+
+    def run_entry(self, entry: Callable[[Any], Any], device: Any) -> None:
+        import torch
+
+        from launcher.runtime.context import WorkerContext
+
+        r = self.report
+        ctx = WorkerContext(
+            rank=r.rank,
+            local_rank=r.local_rank,
+            world_size=r.world_size,
+            local_world_size=int(self.env.get("LOCAL_WORLD_SIZE", r.world_size)),
+            node_rank=r.node_rank,
+            host=r.host,
+            device=device,
+            pg_backend=self.config.pg_backend,
+            params=self.config.params,
+            metrics=self.recorder,
+            stage_dir=self.paths.root,
+            threads=torch.get_num_threads(),
+        )
+        self.beacon.set_phase("running")
+        r.result = _jsonable(entry(ctx))
+
+    def finish(self) -> None:
+        """Metrics to the host (kept for a failed rank too), the report written atomically."""
+        self.phases["finished"] = time.time()
+        if self.recorder is not None:
+            try:
+                self.report.metrics = self.recorder.to_host()
+            except Exception as exc:  # noqa: BLE001 - a failed rank's device may be unusable
+                if self.report.ok:
+                    self.report.status, self.report.error = RankStatus.FAILED, _error(exc)
+        self.beacon.set_phase("finished" if self.report.ok else "failed")
+        self.beacon.stop()
+        write_json_atomic(self.paths.report(self.report.rank), self.report.to_dict())
+        dist = self.dist
+        if dist is not None and dist.is_available() and dist.is_initialized() and self.report.ok:
+            dist.destroy_process_group()
 
 
 def run_rank(
@@ -123,107 +199,36 @@ def run_rank(
     spawned_at: float | None = None,
     started_at: float | None = None,
     step_hooks: Sequence[Callable[[int, float], None]] = (),
-) -> dict[str, Any]:
+) -> RankReport:
     """Run one rank to completion and return (and write) its report. Never raises for job errors.
 
     ``step_hooks`` are called as ``hook(steps, host_seconds_since_last_step)`` on every
     ``ctx.metrics.step()`` (the Ray backend exports them as dashboard metrics); host numbers only.
     """
-    rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
-    world_size = int(env["WORLD_SIZE"])
-    stage_dir = Path(config.stage_dir)
-    host = env.get("LAUNCHER_HOST") or socket.gethostname()
     started = started_at or _T_STARTED
-    phases: dict[str, float] = {"spawned": spawned_at or started, "started": started}
-    report: dict[str, Any] = {
-        "report_version": REPORT_VERSION,
-        "rank": rank,
-        "local_rank": local_rank,
-        "node_rank": int(env.get("GROUP_RANK", "0")),
-        "world_size": world_size,
-        "host": host,
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": "cpu" if config.device_type == "cpu" else f"cuda:{local_rank}",
-        "status": "failed",
-        "phases": phases,
-        "metrics": {},
-        "result": None,
-        "error": None,
-        "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-        # where this rank met the others: lets a reader check that concurrent jobs never share one
-        "rendezvous": f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}",
-    }
-    beacon = ProgressBeacon(stage_dir / "progress" / f"rank{rank}.json")
-    beacon.start()
-    recorder = None
-    dist = None
+    rank = _Rank(config, env, {"spawned": spawned_at or started, "started": started})
+    rank.beacon.start()
     try:
-        beacon.set_phase("importing")
-        import torch
-        import torch.distributed as dist
-
-        if config.threads_per_worker is not None:  # None: the spec's OMP_NUM_THREADS, read by torch itself
-            torch.set_num_threads(config.threads_per_worker)
-        entry = _load_entrypoint(config.entrypoint) if config.entrypoint else None
-        phases["imported"] = time.time()
-        device = _select_device(torch, config, local_rank)
-        report["device"] = str(device)
-        from launcher.metrics import MetricsRecorder
-
-        recorder = MetricsRecorder(device, on_first_step=lambda: phases.setdefault("first_step", time.time()))
-        for hook in step_hooks:
-            recorder.add_step_hook(hook)
-        beacon.steps = lambda: recorder.steps
+        entry, device = rank.prepare(step_hooks)
         if entry is None:
-            beacon.set_phase("running")
+            rank.beacon.set_phase("running")
             _run_script(config)
         else:
-            beacon.set_phase("rendezvous")
-            joined = _rendezvous(dist, config)
-            phases["joined"] = time.time()  # every rank has arrived
-            beacon.set_phase("pg_init")
-            _init_group(dist, config, device, *joined)
-            phases["pg_ready"] = time.time()
-            from launcher.context import WorkerContext
-
-            ctx = WorkerContext(
-                rank=rank,
-                local_rank=local_rank,
-                world_size=world_size,
-                local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
-                node_rank=int(env.get("GROUP_RANK", "0")),
-                host=host,
-                device=device,
-                pg_backend=config.pg_backend,
-                params=config.params,
-                metrics=recorder,
-                stage_dir=stage_dir,
-                threads=torch.get_num_threads(),
-            )
-            beacon.set_phase("running")
-            report["result"] = _jsonable(entry(ctx))
-        report["metrics"] = recorder.to_host()
-        report["status"] = "ok"
+            rank.join_group(device)
+            rank.run_entry(entry, device)
+        rank.report.status = RankStatus.OK
     except SystemExit as exc:  # a script's sys.exit(): 0/None is success, as under torchrun
         if exc.code in (None, 0):
-            report["status"] = "ok"
+            rank.report.status = RankStatus.OK
         else:
-            report["error"] = _error_report(exc)
+            rank.report.error = _error(exc)
             traceback.print_exc()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a report
-        report["error"] = _error_report(exc)
+        rank.report.error = _error(exc)
         traceback.print_exc()
     finally:
-        phases["finished"] = time.time()
-        if recorder is not None and report["status"] == "ok" and not report["metrics"]:
-            report["metrics"] = recorder.to_host()
-        beacon.set_phase("finished" if report["status"] == "ok" else "failed")
-        beacon.stop()
-        write_json_atomic(stage_dir / "reports" / f"rank{rank}.json", report)
-        if dist is not None and dist.is_available() and dist.is_initialized() and report["status"] == "ok":
-            dist.destroy_process_group()
-    return report
+        rank.finish()
+    return rank.report
 
 
 def _load_entrypoint(entrypoint: str) -> Callable[[Any], Any]:
@@ -342,7 +347,7 @@ def forked_rank(worker_json: str) -> None:
     it with the rank's environment already set. Ends like ``main``: exit handlers run, and a
     failed rank exits non-zero (its report is written either way)."""
     started = time.time()
-    from launcher import rank_preload
+    from launcher.runtime import rank_preload
 
     server = rank_preload.SERVER_PID
     # the server's death takes its ranks with it (it ends with the agent, which ends with us)
@@ -354,19 +359,19 @@ def forked_rank(worker_json: str) -> None:
     import atexit
 
     atexit._run_exitfuncs()
-    if report["status"] != "ok":
+    if not report.ok:
         raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    agent = os.environ.get("LAUNCHER_AGENT_PID", "")
+    agent = os.environ.get(ENV_AGENT_PID, "")
     # the agent's death takes its workers with it (and if it died before we asked, exit now)
     die_with_parent(signal.SIGKILL, int(agent) if agent.isdigit() else None)
     _enable_stack_dumps()
     config = WorkerConfig.from_json(Path(argv[0]).read_text())
     report = run_rank(config, os.environ, spawned_at=process_spawn_time())
-    code = 0 if report["status"] == "ok" else 1
+    code = 0 if report.ok else 1
     if config.entrypoint is not None:
         # The report is written and the process group destroyed: skip the interpreter teardown
         # (~0.4 s with torch loaded). Script mode keeps a normal exit, exactly as under torchrun.

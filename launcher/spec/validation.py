@@ -13,7 +13,7 @@ from typing import Annotated, Any, Callable, Mapping
 
 from pydantic import BaseModel, BeforeValidator, ValidationError
 
-from launcher.yamlsource import SourcedData
+from launcher.spec.yamlsource import SourcedData
 
 Loc = tuple[Any, ...]
 

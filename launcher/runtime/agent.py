@@ -1,9 +1,9 @@
-"""``python -m launcher.agent ARGS`` is ``torchrun ARGS``: PyTorch's own parser and elastic agent.
+"""``python -m launcher.runtime.agent ARGS`` is ``torchrun ARGS``: PyTorch's own parser and elastic agent.
 
 Three additions: the agent dies with the launcher (a parent-death signal, so a SIGKILLed
 launcher leaves no agent and hence no worker behind); when workers fail it prints one
 machine-readable line per failure (rank, exit code, signal, OOM) for the launcher's report; and
-with ``--start-method=forkserver`` and the ``-m launcher.worker WORKER_JSON`` entrypoint, it
+with ``--start-method=forkserver`` and the ``-m launcher.runtime.worker WORKER_JSON`` entrypoint, it
 hands torchrun ``launcher.worker.forked_rank`` as a function entrypoint instead of a command, so
 that torchrun forks the ranks from a multiprocessing forkserver that has imported torch once.
 
@@ -25,12 +25,9 @@ from multiprocessing.context import ForkServerProcess
 from typing import Any
 
 from launcher.procutil import die_with_parent, fast_exit, oom_kill_count, signal_name
+from launcher.protocol import AGENT_FAILURE_TAG, ENV_AGENT_PID, ENV_PARENT_PID, PORT_IN_USE_EXIT
 
-FAILURE_TAG = "gpulaunch-agent-failure: "
-# EADDRINUSE's errno: another process bound the rendezvous port between the launcher choosing it
-# and this agent binding it; the launcher then tries again on another port
-PORT_IN_USE_EXIT = 98
-FORKED_ENTRYPOINT = ("-m", "launcher.worker")
+FORKED_ENTRYPOINT = ("-m", "launcher.runtime.worker")
 
 
 class _LossyStream:
@@ -66,11 +63,11 @@ class _LossyStream:
 
 def main(argv: list[str] | None = None) -> int:
     sys.stdout, sys.stderr = _LossyStream(sys.stdout), _LossyStream(sys.stderr)  # before torch binds them
-    parent = os.environ.get("LAUNCHER_PARENT_PID")
+    parent = os.environ.get(ENV_PARENT_PID)
     die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     # Workers inherit this: it lets them check their own parent-death request against the race
     # where the agent died before the request was made (see procutil.die_with_parent).
-    os.environ["LAUNCHER_AGENT_PID"] = str(os.getpid())
+    os.environ[ENV_AGENT_PID] = str(os.getpid())
     oom_before = oom_kill_count()
     argv = sys.argv[1:] if argv is None else argv
     forked_config = _forked_rank_config(argv)
@@ -86,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config, entrypoint, entry_args = config_from_args(args)
     if forked_config is not None:
-        from launcher.worker import forked_rank
+        from launcher.runtime.worker import forked_rank
 
         entrypoint, entry_args = forked_rank, [forked_config]
     try:
@@ -129,7 +126,7 @@ def _report_failures(exits: dict[int, tuple[int, int, int, float]], oom: bool) -
             "timestamp": when,
             "collateral": own_failures and rank in stopped,
         }
-        print(FAILURE_TAG + json.dumps(record), flush=True)
+        print(AGENT_FAILURE_TAG + json.dumps(record), flush=True)
 
 
 class _RankProcess(ForkServerProcess):
@@ -165,7 +162,7 @@ def _start_rank_server() -> None:
     from multiprocessing import forkserver
 
     context = multiprocessing.get_context("forkserver")  # the one torch gets for start_method=forkserver
-    context.set_forkserver_preload(["launcher.rank_preload"])
+    context.set_forkserver_preload(["launcher.runtime.rank_preload"])
     context.Process = _RankProcess
     forkserver.ensure_running()
 

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, LauncherError
-
-EXIT_FOR_STATUS = {"succeeded": EXIT_OK, "interrupted": EXIT_INTERRUPTED}
+from launcher.records import BackendName
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,7 +31,7 @@ def _run_parser() -> _Parser:
     )
     p.add_argument("job", help="the job spec, e.g. jobs/matmul_scaling.yaml")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the exact commands; spawn nothing")
-    p.add_argument("--backend", choices=("torchrun", "ray"), help="override the spec's backend")
+    p.add_argument("--backend", choices=BackendName.names(), help="override the spec's backend")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a spec field, e.g. --set resources.cpu_workers=4")
     p.add_argument("--out", default="runs", help="root of run directories (default: runs/)")
     p.add_argument("--cluster", help="cluster file listing the hosts (configs/cluster.example.yaml)")
@@ -44,31 +43,26 @@ def _run_parser() -> _Parser:
 
 def cmd_run(argv: Sequence[str]) -> int:
     args = _run_parser().parse_args(argv)
-    from launcher.spec import load_job
+    from launcher.spec.model import load_job
 
     job = load_job(args.job, args.overrides)
-    wants_cluster = args.address or ((args.backend or job.spec.backend) == "ray" and job.spec.ray.address)
-    if wants_cluster and not args.dry_run:
-        from launcher.ray_jobs import submit_and_wait
-
-        return submit_and_wait(job, address=args.address or job.spec.ray.address, out=args.out, overrides=args.overrides, quiet=args.quiet)
     if args.dry_run:
         return _print_dry_run(job, args)
     from rich.console import Console
 
-    from launcher.api import run_job
-    from launcher.console import RunUI
+    from launcher.control.api import run_job
+    from launcher.ui.console import RunUI
 
     # with --json, stdout carries the JSON alone: the human summary goes to stderr
     ui = RunUI(Console(stderr=True), quiet=True) if args.json else RunUI(quiet=args.quiet)
-    result = run_job(job, backend=args.backend, out=args.out, cluster=args.cluster, ui=ui)
+    result = run_job(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, events=ui)
     if args.json:
         print(json.dumps(result.data, indent=2, default=str))
-    return EXIT_FOR_STATUS.get(result.status, EXIT_JOB_FAILED)
+    return result.exit_code
 
 
 def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
-    from launcher.api import dry_run
+    from launcher.control.api import dry_run
 
     dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster)
     if args.json:
@@ -76,10 +70,10 @@ def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
         return EXIT_OK
     from rich.console import Console
 
-    from launcher.console import plan_renderables
+    from launcher.ui.console import plan_renderables
 
     console = Console()
-    for thing in plan_renderables(dry.plans, dry.commands):
+    for thing in plan_renderables(dry.plans, dry.requests):
         console.print(thing)
     if dry.job.params:  # what the ranks would run with, the workload's defaults included
         console.print(f"params: {json.dumps(dict(dry.job.params))}", markup=False, highlight=False, soft_wrap=True)
@@ -93,7 +87,7 @@ def cmd_devices(argv: Sequence[str]) -> int:
     p = _Parser(prog="launch devices", description="Show this node's GPUs (like a compact nvidia-smi).")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from launcher.devices import discover
+    from launcher.runtime.devices import discover
 
     inventory = discover()
     if args.json:
@@ -101,8 +95,8 @@ def cmd_devices(argv: Sequence[str]) -> int:
         return EXIT_OK
     from rich.console import Console
 
-    from launcher.console import devices_table
-    from launcher.spec import Resources
+    from launcher.ui.console import devices_table
+    from launcher.spec.model import Resources
 
     default_workers = Resources().cpu_workers
     for thing in devices_table(inventory, default_workers if isinstance(default_workers, int) else inventory.cpu_count):
@@ -115,8 +109,8 @@ def cmd_validate(argv: Sequence[str]) -> int:
     p.add_argument("jobs", nargs="+")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    from launcher.api import check_job
-    from launcher.spec import load_job
+    from launcher.control.api import check_job
+    from launcher.spec.model import load_job
 
     bad = 0
     for path in args.jobs:
@@ -135,18 +129,47 @@ def cmd_report(argv: Sequence[str]) -> int:
     p = _Parser(prog="launch report", description="Re-render the table and plots of a past run.")
     p.add_argument("run_dir")
     args = p.parse_args(argv)
-    from launcher.report import rerender
+    from launcher.ui.report import rerender
 
     return rerender(Path(args.run_dir))
 
 
 def _ray_command(name: str) -> Callable[[Sequence[str]], int]:
     def command(argv: Sequence[str]) -> int:
-        from launcher.ray_jobs import job_command
+        p = _Parser(prog=f"launch {name}", description=f"{name} a job submitted to a Ray cluster (Ray Jobs API)")
+        p.add_argument("job_id")
+        p.add_argument("--address", help="the Ray dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS)")
+        if name == "logs":
+            p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+        if name == "status":
+            p.add_argument("--json", action="store_true")
+        args = p.parse_args(list(argv))
+        from launcher.backends import ray_jobs
 
-        return job_command(name, argv)
+        if name == "status":
+            return _print_job_status(ray_jobs.job_info(args.job_id, args.address), as_json=args.json)
+        if name == "logs":
+            ray_jobs.job_logs(args.job_id, args.address, follow=args.follow, echo=_print_line)
+            return EXIT_OK
+        status = ray_jobs.stop_job(args.job_id, args.address)
+        print(f"{args.job_id}: {status}")
+        return EXIT_OK if status in ray_jobs.TERMINAL else EXIT_JOB_FAILED
 
     return command
+
+
+def _print_line(source: str, text: str) -> None:
+    print(f"{source} {text}" if source else text, flush=True)
+
+
+def _print_job_status(info, *, as_json: bool) -> int:  # noqa: ANN001 - a ray_jobs.JobInfo
+    if as_json:
+        print(json.dumps({"job_id": info.job_id, "status": info.status, "message": info.message, "metadata": info.metadata, "entrypoint": info.entrypoint}, indent=2))
+        return EXIT_OK
+    print(f"{info.job_id}: {info.status}  {info.message}".rstrip())
+    if info.metadata:
+        print("  " + ", ".join(f"{k}={v}" for k, v in sorted(info.metadata.items())))
+    return EXIT_OK
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {

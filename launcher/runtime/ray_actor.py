@@ -1,6 +1,6 @@
 """What runs inside each Ray actor: one rank of the job.
 
-The Ray counterpart of ``launcher.agent`` + ``launcher.worker`` under torchrun: the actor captures
+The Ray counterpart of ``launcher.runtime.agent`` + ``launcher.runtime.worker`` under torchrun: the actor captures
 its own output for the launcher to stream, checks that Ray's ``CUDA_VISIBLE_DEVICES`` rewrite gave
 it the GPU it was granted, and then runs the shared per-rank runtime (``launcher.worker.run_rank``)
 with a step hook that exports step counters and times as Ray metrics for the dashboard.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -18,13 +19,13 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
 
-from launcher.devices import usable_cpu_count
 from launcher.procutil import write_json_atomic
+from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, RankReport, WorkerConfig
+from launcher.runtime.devices import usable_cpu_count
 
 STEP_TIME_BUCKETS_S = [0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]
 
@@ -140,19 +141,19 @@ class RankActor:
         return self.tee.drain(wait_s)
 
     def run(self, config_json: str, env: dict[str, str], same_node: bool) -> dict[str, Any]:
-        from launcher.plan import WorkerConfig
-        from launcher.worker import run_rank
+        """Run the rank; its report as plain data (what crosses Ray's object store)."""
+        from launcher.runtime.worker import run_rank
 
         config = WorkerConfig.from_json(config_json)
         if not same_node:  # the launcher's stage dir is not here: keep files local, return the report
-            config = WorkerConfig.from_json(config_json.replace(config.stage_dir, tempfile.mkdtemp(prefix="gpulaunch-")))
+            config = dataclasses.replace(config, stage_dir=tempfile.mkdtemp(prefix="gpulaunch-"))
         os.environ.update(env)
         mismatch = _device_mismatch(config.device_type, env)
         if mismatch:
-            return _mismatch_report(config, env, mismatch)
+            return _mismatch_report(config, env, mismatch).to_dict()
         metrics = _StepMetrics(self.job, self.rank)
         try:
-            return run_rank(config, os.environ, spawned_at=self.started, step_hooks=[metrics.hook])
+            return run_rank(config, os.environ, spawned_at=self.started, step_hooks=[metrics.hook]).to_dict()
         finally:
             metrics.close()
             for stream in (sys.stdout, sys.stderr):
@@ -184,7 +185,7 @@ def _device_mismatch(device_type: str, env: dict[str, str]) -> str | None:
     if device_type != "cuda":
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    local_rank, granted = int(env["LOCAL_RANK"]), env.get("GPULAUNCH_GRANTED_GPU", "")
+    local_rank, granted = int(env["LOCAL_RANK"]), env.get(ENV_GRANTED_GPU, "")
     if local_rank >= len(visible) or visible[local_rank] != granted:
         return f"rank {env['RANK']} was granted GPU {granted} but cuda:{local_rank} is GPU {visible[local_rank] if local_rank < len(visible) else 'none'} (CUDA_VISIBLE_DEVICES={','.join(visible)})"
     import torch
@@ -194,19 +195,18 @@ def _device_mismatch(device_type: str, env: dict[str, str]) -> str | None:
     return None
 
 
-def _mismatch_report(config: Any, env: dict[str, str], message: str) -> dict[str, Any]:
-    from launcher.worker import failure_report
-
-    report = failure_report(
+def _mismatch_report(config: WorkerConfig, env: dict[str, str], message: str) -> RankReport:
+    report = RankReport.failed(
         rank=int(env["RANK"]),
         local_rank=int(env["LOCAL_RANK"]),
         node_rank=int(env.get("GROUP_RANK", "0")),
         world_size=int(env["WORLD_SIZE"]),
-        host=env.get("LAUNCHER_HOST", socket.gethostname()),
+        host=env.get(ENV_HOST, socket.gethostname()),
         device=f"cuda:{env['LOCAL_RANK']}",
         error_type="DeviceMismatch",
         message=message,
+        at=time.time(),
     )
     print(f"DeviceMismatch: {message}", file=sys.stderr, flush=True)
-    write_json_atomic(Path(config.stage_dir) / "reports" / f"rank{report['rank']}.json", report)
+    write_json_atomic(config.paths.report(report.rank), report.to_dict())
     return report

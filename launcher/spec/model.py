@@ -27,12 +27,12 @@ from pydantic import (
     model_validator,
 )
 
-from launcher.entrypoint import check_entrypoint
+from launcher.spec.entrypoint import check_entrypoint
 from launcher.errors import SpecError
-from launcher.validation import Real, field_label, located_problems
-from launcher.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
+from launcher.records import BackendName
+from launcher.spec.validation import Real, field_label, located_problems
+from launcher.spec.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
 
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -119,7 +119,7 @@ class JobSpec(_Frozen):
     script: str | None = None
     args: tuple[Annotated[str, BeforeValidator(_scalar_to_str)], ...] = ()
     params: FrozenMap = Field(default_factory=dict)
-    backend: Literal["torchrun", "ray"] = "torchrun"
+    backend: BackendName = BackendName.TORCHRUN
     resources: Resources = Resources()
     scaling: Scaling | None = None
     env: EnvMap = Field(default_factory=dict)
@@ -276,8 +276,3 @@ def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> d
             except ValidationError as exc:
                 raise SpecError(located_problems(exc, at, model, ("params",))) from None
     return None
-
-
-def mask_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Env for display or storage: values of secret-looking names are masked."""
-    return {k: ("****" if SECRET_NAME.search(k) else v) for k, v in env.items()}

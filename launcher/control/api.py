@@ -1,0 +1,292 @@
+"""``run_job``: the whole pipeline as one Python call; the CLI is a thin shell over it.
+
+spec -> nodes (discovery, a cluster file's preflight, or the backend's own pool) -> one plan per
+stage -> the backend under the run loop -> aggregate -> result.json, the job's summary and plots.
+A Ray address (the spec's ``ray.address`` or ``address=``) submits the same run to that cluster
+through the Ray Jobs API. Every path returns a ``RunResult``; a notebook gets the same as the CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import yaml
+
+from launcher import backends
+from launcher.backends.base import Backend, LaunchRequest
+from launcher.control.events import PlainEvents, RunEvents
+from launcher.control.planning import NodeTarget, StagePlan, device_notes, make_plans, plan_stage, stage_sizes
+from launcher.control.runloop import StopRequest, run_stage
+from launcher.errors import EXIT_BAD_INPUT, LauncherError
+from launcher.masking import mask_env
+from launcher.procutil import free_port, handling_stop_signals
+from launcher.records import BackendName, Failure, FailureReason, StageOutcome
+from launcher.results.aggregate import aggregate
+from launcher.results.hooks import attach_plots, run_summarize, workload_module
+from launcher.results.store import RunResult, write_result
+from launcher.runtime.devices import discover
+from launcher.spec.model import LoadedJob, load_job
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What a run would do: the plans and each backend's launch request. Nothing was spawned."""
+
+    job: LoadedJob
+    plans: tuple[StagePlan, ...]
+    requests: tuple[LaunchRequest, ...]  # per plan
+    notes: tuple[str, ...] = ()  # what the plan decided that the spec did not say outright
+
+
+def local_node(visible_override: str | None = None) -> NodeTarget:
+    inventory = discover(visible_override=visible_override)
+    return NodeTarget(name=socket.gethostname(), address="127.0.0.1", inventory=inventory, python=sys.executable)
+
+
+def cluster_path(job: LoadedJob, cluster: str | None) -> Path | None:
+    """The cluster file: ``--cluster`` as given, or the spec's ``cluster`` relative to the spec."""
+    if cluster:
+        return Path(cluster)
+    return None if job.spec.cluster is None else job.base_dir / job.spec.cluster
+
+
+def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
+    """This machine, or every host of a cluster file after its preflight checks. A
+    ``CUDA_VISIBLE_DEVICES`` in the job's env is what its ranks will see, so it is what counts."""
+    path = cluster_path(job, cluster)
+    if path is None:
+        return [local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))]
+    from launcher.backends.ssh import preflight
+    from launcher.spec.cluster import load_cluster
+
+    return preflight(load_cluster(path), job)
+
+
+def resolve_backend(job: LoadedJob, backend: str | None, cluster: str | None) -> tuple[str, type[Backend]]:
+    """The backend's name and class, once it has refused what it cannot run (nothing started)."""
+    name = backend or job.spec.backend.value
+    backend_cls = backends.get_backend(name)
+    backend_cls.check_job(job, cluster)
+    return name, backend_cls
+
+
+def masked_spec(job: LoadedJob) -> dict[str, Any]:
+    """The effective spec as stored in the run directory and result.json: secrets masked."""
+    effective = job.spec.model_dump(mode="json")
+    effective["env"] = mask_env(effective["env"])
+    return effective
+
+
+def rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
+    first = nodes[0]
+    if first.ssh is None:
+        return free_port("127.0.0.1")
+    from launcher.backends.ssh import remote_free_port
+
+    return remote_free_port(first)
+
+
+def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None = None) -> str:
+    """What ``launch validate`` can check without contacting any host: the backend, the cluster
+    file, and on this machine whether the plan fits. Returns what would run; raises as launch would."""
+    name, backend_cls = resolve_backend(job, backend, cluster)
+    if backend_cls.schedules_onto_cluster():
+        return f"{name}: planned on the cluster when it runs"
+    path = cluster_path(job, cluster)
+    if path is not None:
+        from launcher.spec.cluster import load_cluster
+
+        config = load_cluster(path)
+        return f"{name}: {len(config.hosts)} host(s) in {cluster or job.spec.cluster}, checked over SSH when it runs"
+    nodes = resolve_nodes(job, None)
+    device_type, sizes = stage_sizes(job, nodes)
+    notes = "".join(f"; note: {n}" for n in device_notes(job, nodes, device_type))
+    return f"{name}: world sizes {sizes} on {device_type} here{notes}"
+
+
+def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
+    name, backend_cls = resolve_backend(job, backend, cluster)
+    nodes = resolve_nodes(job, cluster)
+    run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
+    plans = make_plans(job, nodes, run_dir=run_dir, master_port=rendezvous_port(nodes), backend=name)
+    requests = tuple(backend_cls.launch_request(plan) for plan in plans)
+    notes = tuple(device_notes(job, nodes, plans[0].device_type)) if plans else ()
+    return DryRun(job, tuple(plans), requests, notes)
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def _stop_on_signals(stop: StopRequest) -> contextlib.AbstractContextManager[None]:
+    """Ctrl-C and SIGTERM ask the run loop to tear everything down, then the run reports.
+
+    A second one stops at once: teardown can wait on a rank that ignores SIGTERM or on a host
+    that does not answer. What the launcher started dies with it (parent-death signals, the SSH
+    lifelines), so nothing is left behind; only the final result.json is not written.
+    """
+
+    def handler(signum: int, _frame: Any) -> None:
+        if stop:
+            print(f"gpulaunch: {signal.Signals(signum).name} again: stopping at once", file=sys.stderr, flush=True)
+            raise KeyboardInterrupt
+        stop.set(signal.Signals(signum).name)
+
+    return handling_stop_signals(handler)
+
+
+def ray_address(job: LoadedJob, backend: str | None, address: str | None) -> str | None:
+    """The Ray cluster to submit to: ``address=``, or the spec's ``ray.address`` on the Ray backend."""
+    if address:
+        return address
+    return job.spec.ray.address if (backend or job.spec.backend) == BackendName.RAY else None
+
+
+def run_job(
+    job: str | Path | LoadedJob,
+    *,
+    overrides: Sequence[str] = (),
+    backend: str | None = None,
+    out: str | Path = "runs",
+    cluster: str | None = None,
+    address: str | None = None,
+    events: RunEvents | None = None,
+    stop: StopRequest | None = None,
+) -> RunResult:
+    """Run a job spec to its end and return its result (also written to ``result.json``)."""
+    loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
+    events = events or PlainEvents()
+    submit_to = ray_address(loaded, backend, address)
+    if submit_to:
+        from launcher.backends.ray_jobs import submit_and_wait
+
+        return submit_and_wait(loaded, address=submit_to, out=out, events=events)
+    name, backend_cls = resolve_backend(loaded, backend, cluster)
+    nodes: list[NodeTarget] | None = None
+    if not backend_cls.schedules_onto_cluster():
+        nodes = resolve_nodes(loaded, cluster)
+        stage_sizes(loaded, nodes)  # impossible requests fail here, before anything is spawned
+    run_id = new_run_id()
+    run_dir = _make_run_dir(loaded, out, run_id)
+    stop = stop or StopRequest()
+    started = time.time()
+    with _stop_on_signals(stop), backend_cls.session(loaded):
+        if nodes is None:  # a Ray cluster: plan on what it has, known once connected
+            nodes = backend_cls.pool_nodes(loaded)
+        outcomes, cut_short = _run_stages(loaded, name, backend_cls, nodes, run_dir, stop, events)
+    return finish_run(loaded, name, run_id, run_dir, outcomes, started, events, cut_short=cut_short)
+
+
+def _make_run_dir(loaded: LoadedJob, out: str | Path, run_id: str) -> Path:
+    run_dir = Path(out).resolve() / loaded.spec.name / run_id
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        (run_dir / "spec.yaml").write_text(yaml.safe_dump(masked_spec(loaded), sort_keys=False))
+    except OSError as exc:
+        raise LauncherError(
+            f"--out {out}: cannot create the run directory {run_dir}: {exc.strerror or exc}; expected a writable directory",
+            exit_code=EXIT_BAD_INPUT,
+        ) from None
+    return run_dir
+
+
+def _run_stages(
+    loaded: LoadedJob,
+    name: str,
+    backend_cls: type[Backend],
+    nodes: list[NodeTarget],
+    run_dir: Path,
+    stop: StopRequest,
+    events: RunEvents,
+) -> tuple[list[StageOutcome], Failure | None]:
+    """Every stage in turn until one does not succeed. The failure, when a stage could not start
+    or a stop came between stages (the stages before it are kept)."""
+    device_type, sizes = stage_sizes(loaded, nodes)
+    for note in device_notes(loaded, nodes, device_type):
+        events.note(note)
+    outcomes: list[StageOutcome] = []
+    for size in sizes:
+        if stop:
+            return outcomes, Failure(FailureReason.INTERRUPTED, f"stopped by {stop.reason} before the stage of world size {size}")
+        events.stage_started(loaded.spec.name, size, device_type, name)
+        try:
+            outcome = run_stage(_plan_factory(loaded, nodes, size, device_type, run_dir, name), backend_cls, stop=stop, events=events)
+        except LauncherError as exc:  # the stage could not start (a host, a port, an agent)
+            reason = FailureReason.INTERRUPTED if stop else FailureReason.NOT_STARTED
+            return outcomes, Failure(reason, f"the stage of world size {size} could not start: {exc}")
+        finally:
+            events.stage_finished()
+        outcomes.append(outcome)
+        if not outcome.ok:
+            break
+    return outcomes, None
+
+
+def _plan_factory(
+    job: LoadedJob, nodes: Sequence[NodeTarget], size: int, device_type: str, run_dir: Path, backend_name: str
+) -> Callable[[int], StagePlan]:
+    """Plans for one stage; every attempt (restart) gets a freshly chosen rendezvous port."""
+
+    def make(attempt: int) -> StagePlan:
+        port = rendezvous_port(nodes)
+        return plan_stage(job, nodes, size, device_type, run_dir=run_dir, master_port=port, backend=backend_name)
+
+    return make
+
+
+def finish_run(
+    loaded: LoadedJob,
+    backend_name: str,
+    run_id: str,
+    run_dir: Path,
+    outcomes: list[StageOutcome],
+    started: float,
+    events: RunEvents,
+    *,
+    cut_short: Failure | None = None,
+) -> RunResult:
+    """Aggregate, summarise, plot, write result.json and tell the watcher. ``cut_short``: the
+    failure when a stage could not start, or a stop came between stages."""
+    t_agg = time.time()
+    result = aggregate(
+        outcomes,
+        job=loaded.spec.name,
+        run_id=run_id,
+        backend=backend_name,
+        spec=masked_spec(loaded),
+        spec_hash=loaded.spec.fingerprint(),
+        params=loaded.params,
+        started_at=started,
+    )
+    result["run_dir"] = str(run_dir)
+    if cut_short is not None:
+        result["status"] = cut_short.reason.status.value
+        result["failure"] = cut_short.to_dict()
+    module = _workload_module(loaded, result)
+    result["summary"].update(run_summarize(result, module, loaded.params))
+    if "scaling" in result["summary"]:
+        result["scaling"] = result["summary"]["scaling"]
+    plots = attach_plots(result, run_dir, module)
+    result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
+    write_result(run_dir, result)
+    run = RunResult(result, run_dir, tuple(plots))
+    events.finished(run)
+    return run
+
+
+def _workload_module(loaded: LoadedJob, result: dict[str, Any]) -> Any:
+    """The job's module for its hooks (found on the spec's PYTHONPATH too); a module whose own
+    import fails is noted in the summary, and the run's results stay."""
+    try:
+        return workload_module(loaded.spec.entrypoint, loaded.spec.env.get("PYTHONPATH", ""))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the workload's own import
+        result["summary"]["error"] = f"importing the workload: {type(exc).__name__}: {exc}"
+        return None

@@ -1,0 +1,113 @@
+"""Why a stage failed: the root cause (the first failure) apart from the ranks it took with it.
+
+Pure: reports and what the process layer saw in, one ``Failure`` record out. torchelastic's idea
+(an error file per worker, the first one is the root cause), without a decorator in user code and
+with the peers that died of the loss told apart from the rank that caused it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+from launcher.protocol import RankError, RankReport, RankStatus
+from launcher.records import Failure, FailureReason, RankExit, RootCause
+
+# Errors a rank raises because a *peer* died under it: collateral, never the root cause when a
+# rank is known to have died without a report of its own.
+PEER_LOSS = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|remote (process|peer|worker)"
+    r"|communicator was aborted|NCCL.*(abort|Watchdog)|peer .*(closed|crashed|died|exited)",
+    re.IGNORECASE,
+)
+LOG_TAIL_LINES = 20
+
+
+def is_peer_loss(error: RankError) -> bool:
+    return bool(PEER_LOSS.search(f"{error.type}: {error.message}"))
+
+
+def log_tail(path: str | None, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
+    if not path:
+        return ()
+    try:
+        return tuple(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ()
+
+
+def explain_failure(
+    reason: FailureReason,
+    reports: Sequence[RankReport],
+    rank_exits: Sequence[RankExit],
+    *,
+    detail: str = "",
+    run_timeout_s: float = 0.0,
+    stop_reason: str = "",
+) -> Failure:
+    """The root cause (first failure) apart from the collateral. ``detail``: what the backend
+    said when no rank report explains the failure (an agent's exit, a lost actor)."""
+    root = find_root_cause(reports, rank_exits) if reason == FailureReason.FAILED else None
+    stuck = tuple(r.rank for r in reports if r.status not in (RankStatus.OK, RankStatus.FAILED)) if reason == FailureReason.TIMEOUT else ()
+    if reason == FailureReason.INTERRUPTED:
+        collateral: tuple[int, ...] = ()  # a stop is nobody's fault: nothing is "collateral"
+    else:
+        collateral = tuple(r.rank for r in reports if not r.ok and (root is None or r.rank != root.rank))
+    summary = {
+        FailureReason.FAILED: root.line() if root else detail or "the group ended without a rank report",
+        FailureReason.TIMEOUT: f"run exceeded timeouts.run_s={run_timeout_s:g}s; stuck ranks: {list(stuck) or 'none'}",
+        FailureReason.INTERRUPTED: f"interrupted ({stop_reason or 'signal'})",
+        FailureReason.NOT_STARTED: detail,
+    }[reason]
+    return Failure(reason, summary, root, collateral, stuck)
+
+
+def find_root_cause(reports: Sequence[RankReport], rank_exits: Sequence[RankExit]) -> RootCause | None:
+    """The first rank that failed on its own: the earliest error that is not a peer's loss, or,
+    when a rank died without a report (a signal, os._exit, the OOM killer), that rank."""
+    by_rank = {r.rank: r for r in reports}
+    errored = sorted((r for r in reports if r.error), key=lambda r: r.error.time if r.error else 0.0)
+    # ranks that died without a Python exception of their own, in the backend's order (those
+    # that failed on their own first, then those their agent stopped)
+    died = [e for e in rank_exits if (e.signal or e.exitcode) and not (e.rank in by_rank and by_rank[e.rank].error)]
+    if errored and not (died and errored[0].error and is_peer_loss(errored[0].error)):
+        return _from_error(errored[0])
+    if died:
+        return _from_exit(died[0], by_rank.get(died[0].rank))
+    return _from_error(errored[0]) if errored else None
+
+
+def _from_error(report: RankReport) -> RootCause:
+    assert report.error is not None
+    return RootCause(
+        rank=report.rank,
+        host=report.host,
+        local_rank=report.local_rank,
+        device=report.device,
+        type=report.error.type,
+        message=report.error.message,
+        traceback=report.error.traceback,
+        log_tail=log_tail(report.log),
+    )
+
+
+def _from_exit(rank_exit: RankExit, report: RankReport | None) -> RootCause:
+    if rank_exit.signal:
+        oom = " (out of memory: killed by the kernel's OOM killer)" if rank_exit.oom_suspected else ""
+        message = f"killed by {rank_exit.signal}{oom}"
+        kind = "OutOfMemoryKill" if rank_exit.oom_suspected else "KilledBySignal"
+    else:
+        message = f"exited with code {rank_exit.exitcode} without raising a Python exception"
+        kind = "ProcessExit"
+    return RootCause(
+        rank=rank_exit.rank,
+        host=report.host if report else rank_exit.host,
+        local_rank=report.local_rank if report else None,
+        device=report.device if report else None,
+        type=kind,
+        message=message,
+        log_tail=log_tail(report.log if report else None),
+        exitcode=rank_exit.exitcode,
+        signal=rank_exit.signal,
+    )

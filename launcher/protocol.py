@@ -1,0 +1,211 @@
+"""The contract between the launcher and a rank: standard library only.
+
+Both sides import this module and nothing else of each other: the control side writes a
+``WorkerConfig`` and reads ``RankReport`` files; the rank runtime reads the config and writes its
+report and progress beacon. Paths in a run directory come from ``StagePaths`` alone, and every
+environment variable the launcher sets for its own processes starts with ``GPULAUNCH_``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+REPORT_VERSION = 1
+
+# --- environment variables the launcher sets for its own processes (one prefix) -----------------
+ENV_HOST = "GPULAUNCH_HOST"  # the node's name as logs and results show it
+ENV_STAGE_DIR = "GPULAUNCH_STAGE_DIR"  # every process of a stage carries it (forked ranks too)
+ENV_PARENT_PID = "GPULAUNCH_PARENT_PID"  # the agent dies with this process (the launcher, a host wrapper)
+ENV_AGENT_PID = "GPULAUNCH_AGENT_PID"  # the ranks die with their agent
+ENV_RAY_CONNECT = "GPULAUNCH_RAY_CONNECT"  # inside a Ray job: connect to the cluster, never embed one
+ENV_GRANTED_GPU = "GPULAUNCH_GRANTED_GPU"  # the GPU Ray granted this rank's actor
+
+# --- tagged lines on an agent's or a host helper's output ---------------------------------------
+AGENT_FAILURE_TAG = "gpulaunch-agent-failure: "  # one JSON record per failed rank
+HOST_ANSWER_TAG = "gpulaunch-ssh-json: "  # the host helper's one JSON answer
+LOG_PREFIX_SEPARATOR = "| "  # rank lines arrive as "host:rank| text"
+# the agent exits with EADDRINUSE's errno when another process bound the rendezvous port first
+PORT_IN_USE_EXIT = 98
+
+
+class RankStatus(str, enum.Enum):
+    """How one rank ended. ``stopped``: it wrote no report (killed, never started, torn down)."""
+
+    OK = "ok"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class StagePaths:
+    """The one place that knows a stage directory's layout (``<run>/world<N>/``)."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, run_dir: str | Path, world_size: int) -> "StagePaths":
+        return cls(Path(run_dir) / f"world{world_size}")
+
+    @property
+    def worker_config(self) -> Path:
+        return self.root / "worker.json"
+
+    @property
+    def reports(self) -> Path:
+        return self.root / "reports"
+
+    @property
+    def progress_dir(self) -> Path:
+        return self.root / "progress"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def torchelastic(self) -> Path:
+        return self.root / "torchelastic"
+
+    def report(self, rank: int) -> Path:
+        return self.reports / f"rank{rank}.json"
+
+    def progress(self, rank: int) -> Path:
+        return self.progress_dir / f"rank{rank}.json"
+
+    def log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    def agent_log_dir(self, node_rank: int) -> Path:
+        return self.torchelastic / f"node{node_rank}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every rank's runtime needs; written once per stage as ``worker.json``."""
+
+    job: str
+    stage_dir: str
+    device_type: str  # "cuda" or "cpu"
+    pg_backend: str  # "nccl" or "gloo"
+    # torch's intra-op threads per rank: the plan's share of the node's cores, or the spec's own
+    # OMP_NUM_THREADS (the user's setting wins); None where that value is not a plain count, so
+    # torch reads OMP_NUM_THREADS itself and the worker leaves it alone
+    threads_per_worker: int | None
+    entrypoint: str | None
+    script: str | None
+    args: tuple[str, ...]
+    params: Mapping[str, Any]  # resolved: the workload's defaults filled in, as the dry run shows
+    rendezvous_timeout_s: float  # bounds the ranks' rendezvous (store connect, every rank arrived)
+    # bounds each collective (the process group's timeout); None: torch's default for pg_backend
+    collective_timeout_s: float | None = None
+
+    @property
+    def paths(self) -> StagePaths:
+        return StagePaths(Path(self.stage_dir))
+
+    def to_json(self) -> str:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["params"] = dict(self.params)
+        data["args"] = list(self.args)
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerConfig":
+        data = json.loads(text)
+        data["args"] = tuple(data["args"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class RankError:
+    type: str
+    message: str
+    traceback: str
+    time: float
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RankError":
+        return cls(
+            type=str(data.get("type", "Error")),
+            message=str(data.get("message", "")),
+            traceback=str(data.get("traceback", "")),
+            time=float(data.get("time") or 0.0),
+        )
+
+
+@dataclass
+class RankReport:
+    """What one rank reports at its end (``reports/rank<k>.json``), or what the launcher knows of
+    a rank that wrote none. Serialised with ``to_dict`` at the edge (files, result.json)."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    host: str
+    device: str
+    status: RankStatus = RankStatus.FAILED
+    phases: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    result: Any = None
+    error: RankError | None = None
+    hostname: str | None = None
+    pid: int | None = None
+    restart: int = 0
+    rendezvous: str | None = None
+    last_phase: str | None = None  # for a rank that wrote no report: where its beacon stopped
+    log: str | None = None  # the rank's log file, when it exists
+    report_version: int = REPORT_VERSION
+
+    @property
+    def ok(self) -> bool:
+        return self.status == RankStatus.OK
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["status"] = self.status.value
+        return {k: v for k, v in data.items() if v is not None or k in ("result", "error")}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RankReport":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["status"] = RankStatus(values.get("status", RankStatus.FAILED))
+        if isinstance(values.get("error"), Mapping):
+            values["error"] = RankError.from_dict(values["error"])
+        return cls(**values)
+
+    @classmethod
+    def failed(cls, *, error_type: str, message: str, traceback_text: str | None = None, at: float, **who: Any) -> "RankReport":
+        """A rank that failed before (or without) its runtime writing a report: same schema, so
+        the aggregate and the root-cause ranking treat it like any other."""
+        return cls(**who, status=RankStatus.FAILED, error=RankError(error_type, message, traceback_text or message, at))
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """A rank's beacon (``progress/rank<k>.json``): its phase and host step count, twice a second."""
+
+    phase: str = "spawning"
+    steps: int = 0
+    t: float | None = None
+    pid: int | None = None
+    pid_start: float | int | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "RankProgress":
+        if not isinstance(data, Mapping):
+            return cls()
+        steps = data.get("steps", 0)
+        t = data.get("t")
+        return cls(
+            phase=str(data.get("phase", "spawning")),
+            steps=int(steps) if isinstance(steps, (int, float)) else 0,
+            t=float(t) if isinstance(t, (int, float)) else None,
+            pid=data.get("pid") if isinstance(data.get("pid"), int) else None,
+            pid_start=data.get("pid_start"),
+        )

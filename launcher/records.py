@@ -1,0 +1,143 @@
+"""Typed records that cross the launcher's modules: statuses, failures, stage outcomes.
+
+Built in one place each (the run loop builds outcomes, ``control.diagnosis`` failures) and turned
+into plain data only at the edge (``to_dict`` for result.json). Standard library only.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.protocol import RankReport
+
+
+class BackendName(str, enum.Enum):
+    """Every engine the launcher speaks; the one list the spec, the CLI and the registry use."""
+
+    TORCHRUN = "torchrun"
+    RAY = "ray"
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [b.value for b in cls]
+
+
+class RunStatus(str, enum.Enum):
+    """The state of a stage or a whole run; the last four are terminal."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    INTERRUPTED = "interrupted"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (RunStatus.PENDING, RunStatus.RUNNING)
+
+    @property
+    def exit_code(self) -> int:
+        """0 success, 130 interrupted, 1 anything else that ended (the CLI's contract)."""
+        return {RunStatus.SUCCEEDED: 0, RunStatus.INTERRUPTED: 130}.get(self, 1)
+
+
+class FailureReason(str, enum.Enum):
+    FAILED = "failed"  # a rank (or a host, an agent) failed
+    TIMEOUT = "timeout"  # timeouts.run_s ran out
+    INTERRUPTED = "interrupted"  # Ctrl-C, SIGTERM, a stop request
+    NOT_STARTED = "not_started"  # a stage could not start (a host, a port, an agent)
+
+    @property
+    def status(self) -> RunStatus:
+        return {
+            FailureReason.TIMEOUT: RunStatus.TIMEOUT,
+            FailureReason.INTERRUPTED: RunStatus.INTERRUPTED,
+        }.get(self, RunStatus.FAILED)
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """What the process layer knows about a rank that ended badly (beyond its own report)."""
+
+    rank: int
+    exitcode: int | None
+    signal: str | None = None
+    oom_suspected: bool = False
+    host: str | None = None
+
+
+@dataclass(frozen=True)
+class RootCause:
+    """The first failure of a stage: which rank, where, and what it raised or how it died."""
+
+    rank: int
+    host: str | None
+    local_rank: int | None
+    device: str | None
+    type: str
+    message: str
+    traceback: str = ""
+    log_tail: tuple[str, ...] = ()
+    exitcode: int | None = None
+    signal: str | None = None
+
+    def line(self) -> str:
+        return f"rank {self.rank} on {self.host} ({self.device}): {self.type}: {self.message}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "host": self.host,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "device": self.device,
+            "type": self.type,
+            "message": self.message,
+            "traceback": self.traceback,
+        }
+        if self.exitcode is not None or self.signal is not None:
+            data.update(exitcode=self.exitcode, signal=self.signal)
+        data["log_tail"] = list(self.log_tail)
+        return data
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a stage (or the run) did not succeed: the root cause apart from the collateral."""
+
+    reason: FailureReason
+    summary: str
+    root_cause: RootCause | None = None
+    collateral_ranks: tuple[int, ...] = ()
+    stuck_ranks: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason.value,
+            "summary": self.summary,
+            "root_cause": self.root_cause.to_dict() if self.root_cause else None,
+            "collateral_ranks": list(self.collateral_ranks),
+            "stuck_ranks": list(self.stuck_ranks),
+        }
+
+
+@dataclass
+class StageOutcome:
+    """One stage (one world size) after it ended, as the run loop hands it to the results."""
+
+    world_size: int
+    status: RunStatus
+    started_at: float
+    ended_at: float
+    script: bool = False  # a script joins the process group itself: no rendezvous phases
+    restarts: int = 0
+    reports: list[RankReport] = field(default_factory=list)
+    failure: Failure | None = None
+    rendezvous_port_in_use: bool = False
+    load_avg: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # "start"/"end"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == RunStatus.SUCCEEDED

@@ -1,0 +1,123 @@
+"""Stage outcomes in, the result document out: pure, no I/O, no user code.
+
+The document is what ``result.json`` holds (``schema_version`` 1): the stages with their start-up
+phases, every rank's report with its timeline, the failure if any. The job's own summary and
+plots are added afterwards (``results.hooks``), and so is the default summary of its logged series.
+"""
+
+from __future__ import annotations
+
+import time
+from statistics import median
+from typing import Any, Mapping, Sequence
+
+from launcher.protocol import RankReport
+from launcher.records import RunStatus, StageOutcome
+from launcher.results.store import SCHEMA_VERSION
+
+PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")
+# each phase ends at a rank's stamp: spawned (the process exists), imported (torch and the job's
+# code), joined (every rank reached the rendezvous), pg_ready (process group up), finished
+_PHASE_ENDS = tuple(zip(PHASES, ("spawned", "imported", "joined", "pg_ready", "finished")))
+_ENTRYPOINT_ONLY = ("rendezvous", "pg_init")
+
+
+def stage_phases(started_at: float, reports: Sequence[RankReport], *, script: bool = False) -> dict[str, float | None]:
+    """Where a stage's start-up time went, from the slowest rank at each step (seconds). A phase
+    no rank finished is where the ranks stopped (a rendezvous that timed out): it runs to the
+    end and the phases after it are None. A script joins the group inside its own run, so its
+    rendezvous and pg_init are None too."""
+
+    def latest(name: str) -> float | None:
+        stamps = [r.phases[name] for r in reports if name in r.phases]
+        return max(stamps) if stamps else None
+
+    out: dict[str, float | None] = {}
+    prev: float | None = started_at
+    stopped = False
+    for phase, stamp in _PHASE_ENDS:
+        if stopped or (script and phase in _ENTRYPOINT_ONLY):
+            out[phase] = None
+            continue
+        end = latest(stamp)
+        if end is None:
+            end, stopped = latest("finished"), True
+        out[phase] = None if end is None or prev is None else round(max(0.0, end - prev), 4)
+        prev = end
+    first = [r.phases["first_step"] for r in reports if "first_step" in r.phases]
+    out["to_first_step"] = round(max(first) - started_at, 4) if first else None
+    return out
+
+
+def _rank_entry(report: RankReport, started_at: float) -> dict[str, Any]:
+    entry = report.to_dict()
+    entry["timeline_s"] = {k: round(v - started_at, 4) for k, v in report.phases.items()}
+    return entry
+
+
+def _stage_doc(stage: StageOutcome) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "world_size": stage.world_size,
+        "status": stage.status.value,
+        "restarts": stage.restarts,
+        "wall_s": round(stage.ended_at - stage.started_at, 4),
+        "phases": stage_phases(stage.started_at, stage.reports, script=stage.script),
+        "failure": stage.failure.to_dict() if stage.failure else None,
+    }
+    if stage.load_avg:
+        doc["load_avg"] = {k: list(v) for k, v in stage.load_avg.items()}
+    return doc
+
+
+def run_status(stages: Sequence[StageOutcome]) -> RunStatus:
+    failed = next((s for s in stages if not s.ok), None)
+    if failed is not None:
+        return failed.status
+    return RunStatus.SUCCEEDED if stages else RunStatus.FAILED
+
+
+def aggregate(
+    stages: Sequence[StageOutcome],
+    *,
+    job: str,
+    run_id: str,
+    backend: str,
+    spec: Mapping[str, Any],
+    spec_hash: str,
+    params: Mapping[str, Any],
+    started_at: float,
+    finished_at: float | None = None,
+) -> dict[str, Any]:
+    """The result document (without the job's summary, plots and the aggregate phase)."""
+    stage_docs = [_stage_doc(s) for s in stages]
+    ranks = [_rank_entry(r, s.started_at) for s in stages for r in s.reports]
+    failed = next((s for s in stages if not s.ok), None)
+    finished_at = time.time() if finished_at is None else finished_at
+    totals = {p: round(sum(s["phases"][p] or 0.0 for s in stage_docs), 4) for p in PHASES}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "job": job,
+        "run_id": run_id,
+        "backend": backend,
+        "status": run_status(stages).value,
+        "world_size": max((s["world_size"] for s in stage_docs), default=0),
+        "world_sizes": [s["world_size"] for s in stage_docs],
+        "spec_hash": spec_hash,
+        "spec": dict(spec),
+        "params": dict(params),  # what the ranks ran with, the workload's defaults included
+        "started_at": started_at,
+        "finished_at": finished_at,
+        "wall_s": round(finished_at - started_at, 4),
+        "phases": totals,
+        "restarts": sum(s["restarts"] for s in stage_docs),
+        "stages": stage_docs,
+        "ranks": ranks,
+        "failure": failed.failure.to_dict() if failed and failed.failure else None,
+        "summary": {"steps_per_rank": steps_per_rank(ranks)},
+    }
+
+
+def steps_per_rank(ranks: Sequence[Mapping[str, Any]]) -> float | None:
+    steps = [r.get("metrics", {}).get("steps") for r in ranks if r.get("metrics")]
+    steps = [s for s in steps if isinstance(s, int)]
+    return median(steps) if steps else None

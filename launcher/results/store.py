@@ -1,0 +1,55 @@
+"""``result.json``: the run's one document, written atomically and read back (``RunResult``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from launcher.procutil import read_json, write_json_atomic
+from launcher.records import RunStatus
+
+SCHEMA_VERSION = 1
+RESULT_FILE = "result.json"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What ``run_job`` returns and ``result.json`` holds."""
+
+    data: Mapping[str, Any]
+    run_dir: Path
+    plots: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def status(self) -> str:
+        return self.data["status"]
+
+    @property
+    def run_status(self) -> RunStatus:
+        return RunStatus(self.status)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == RunStatus.SUCCEEDED.value
+
+    @property
+    def exit_code(self) -> int:
+        return self.run_status.exit_code
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / RESULT_FILE
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+
+def write_result(run_dir: Path, result: Mapping[str, Any]) -> Path:
+    path = run_dir / RESULT_FILE
+    write_json_atomic(path, result)
+    return path
+
+
+def load_result(run_dir: str | Path) -> dict[str, Any] | None:
+    return read_json(Path(run_dir) / RESULT_FILE)

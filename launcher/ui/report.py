@@ -1,0 +1,48 @@
+"""``launch report RUN_DIR``: re-render a past run's table and plots from its result.json.
+
+``RUN_DIR`` may also be a job's directory (``runs/<job>``): its latest run is rendered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, LauncherError
+from launcher.results.hooks import attach_plots, workload_module
+from launcher.results.store import RESULT_FILE, load_result, write_result
+
+
+def latest_run(path: Path) -> Path:
+    """``path`` itself when it holds a result, else its newest run directory that does."""
+    if (path / RESULT_FILE).is_file():
+        return path
+    runs = sorted((p.parent for p in path.glob(f"*/{RESULT_FILE}")), key=lambda p: p.name)
+    if not runs:
+        raise LauncherError(
+            f"{path / RESULT_FILE}: missing or unreadable; expected a run directory (runs/<job>/<run-id>) or a job's directory",
+            exit_code=EXIT_BAD_INPUT,
+        )
+    return runs[-1]  # run ids start with the time they started: the last one is the newest
+
+
+def rerender(path: Path) -> int:
+    run_dir = latest_run(path)
+    result = load_result(run_dir)
+    if result is None:
+        raise LauncherError(f"{run_dir / RESULT_FILE}: unreadable; expected a run's result.json", exit_code=EXIT_BAD_INPUT)
+    from launcher.ui.console import RunUI
+
+    spec = result.get("spec") or {}
+    module, error = None, None
+    try:
+        module = workload_module(spec.get("entrypoint"), (spec.get("env") or {}).get("PYTHONPATH", ""))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the workload's own import: results stay
+        error = f"importing the workload: {type(exc).__name__}: {exc}"
+    attach_plots(result, run_dir, module)
+    if error:
+        result["plot_error"] = error
+    write_result(run_dir, result)
+    RunUI().show_result(result, run_dir)
+    for plot in result["plots"]:
+        print(f"plot: {run_dir / plot}")
+    return EXIT_OK
