@@ -1,5 +1,10 @@
 """Small OS-level helpers shared by launcher, agent and worker: parent-death signals, atomic
-writes, free ports, process checks and signal handlers. Standard library only (imported before torch)."""
+writes, free ports, process checks and signal handlers.
+
+The process table (who is alive, a process's children, its start time and command line) is read
+with psutil; what no library does stays here: the parent-death signal (prctl), the cgroup's OOM
+kill count and the fast exit. psutil is imported by the functions that use it, on first use: every
+launcher, agent and rank imports this module (before torch), most of them never need psutil."""
 
 from __future__ import annotations
 
@@ -14,9 +19,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    import psutil
 
 _PR_SET_PDEATHSIG = 1
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -80,26 +89,48 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def process_start_ticks(pid: int | str = "self") -> int | None:
     """When a process started, in clock ticks since boot: with the pid, the process's identity
-    (a pid can be reused; a pid and its start time cannot)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    (a pid can be reused; a pid and its start time cannot). None if there is no such process.
+
+    Taken from psutil's ``create_time()`` less the boot time it adds: an epoch time moves with
+    the system clock (NTP, a manual change), the ticks since boot never do, so the value a rank
+    writes into its progress file still matches the live process's when the launcher reads it."""
+    import psutil
+
+    target = os.getpid() if pid == "self" else int(pid)
+    for _ in range(3):  # the boot time both reads use must be the same (the clock may step between)
+        try:
+            boot = psutil.boot_time()
+            created = psutil.Process(target).create_time()
+        except (psutil.Error, OSError, ValueError):
+            return None
+        if psutil.boot_time() == boot:
+            return round((created - boot) * _CLK_TCK)
+    return None
 
 
 def process_spawn_time(pid: int | str = "self") -> float | None:
     """Wall-clock time at which a process started, to 10 ms (for the ``spawned`` phase stamp).
 
-    Adding the start ticks to /proc/stat's ``btime`` would be up to 1 s off (``btime`` is whole
-    seconds); the ticks are converted with the boot-time clock read now instead.
+    psutil's ``create_time()`` adds /proc/stat's ``btime`` (whole seconds), so it can be up to 1 s
+    off; the start ticks are converted with the boot-time clock read now instead.
     """
     ticks = process_start_ticks(pid)
     if ticks is None:
         return None
     try:
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / _CLK_TCK)
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def cmdline(pid: int) -> list[str]:
+    """A process's command line, one item per argument; [] if it is gone, a zombie or not readable."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).cmdline()
+    except (psutil.Error, OSError, ValueError):
+        return []
 
 
 def fast_exit(code: int) -> None:
@@ -120,35 +151,55 @@ def fast_exit(code: int) -> None:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` in the process tree (from /proc), each parent before its children."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    """Every process below ``pid`` in the process tree, each parent before its children (zombies
+    included: they are still in the tree until reaped). [] if ``pid`` is gone."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except (psutil.Error, ValueError):
+        return []
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether ``pid`` is a running process (a zombie is dead for our purposes)."""
+    import psutil
+
+    if pid <= 0:
         return False
-    except PermissionError:
+    try:
+        return _running(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
         return True
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Still the same process (not a reused pid), and not a zombie."""
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # ZombieProcess included
+        return False
+    except psutil.AccessDenied:
         return True
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    """The live processes among ``pids``, each looked up once (so a later reuse of its pid is seen)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except (psutil.NoSuchProcess, ValueError):  # gone (or never a pid)
+            pass
+        except psutil.AccessDenied as exc:  # another user's process, hidden by /proc's hidepid
+            raise PermissionError(f"not allowed to inspect pid {pid}") from exc
+    return procs
 
 
 def stage_worker_pids(stage_dir: str | Path) -> dict[int, int]:
@@ -167,22 +218,35 @@ def stage_worker_pids(stage_dir: str | Path) -> dict[int, int]:
 
 def kill_now(pids: list[int], wait_s: float = 5.0) -> None:
     """SIGKILL each pid (already gone is fine) and wait up to ``wait_s`` for them to vanish."""
-    for pid in pids:
+    import psutil
+
+    procs = _processes(pids)
+    for proc in procs:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            proc.kill()  # psutil checks first that the pid is still the process we looked up
+        except psutil.NoSuchProcess:
             pass
-    wait_gone(pids, wait_s)
+        except psutil.AccessDenied as exc:  # as os.kill would: another user's process
+            raise PermissionError(f"not allowed to kill pid {proc.pid}") from exc
+    _wait_gone(procs, wait_s)
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait until the processes exit; return those still alive at the deadline."""
+    """Wait until the processes exit; return those still alive at the deadline.
+
+    A zombie counts as gone, and a pid reused by a new process after ours exited too. Nothing is
+    reaped: unlike ``psutil.wait_procs`` (which ``waitpid``s our own children) this leaves a
+    child's exit status to whoever holds its ``Popen``."""
+    return _wait_gone(_processes(pids), timeout_s)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    alive = [p for p in pids if pid_alive(p)]
+    alive = [p for p in procs if _running(p)]
     while alive and time.monotonic() < deadline:
         time.sleep(0.02)
-        alive = [p for p in alive if pid_alive(p)]
-    return alive
+        alive = [p for p in alive if _running(p)]
+    return [p.pid for p in alive]
 
 
 def signal_name(returncode: int | None) -> str | None:
