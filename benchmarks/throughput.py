@@ -113,7 +113,7 @@ def ddp_hand(cfg: dict[str, Any], workers: int, cuda: bool, work: Path) -> float
     threads = max(1, (os.cpu_count() or 1) // workers)  # what the launcher gives each worker
     env = bench_env({"BENCH_DEVICE": "cuda" if cuda else "cpu", "OMP_NUM_THREADS": str(threads)})
     done = run_timed(argv, env=env, cwd=work, timeout_s=900)
-    line = next((l for l in done.output.splitlines() if "DDP_BASELINE " in l), None)
+    line = next((ln for ln in done.output.splitlines() if "DDP_BASELINE " in ln), None)
     if done.rc != 0 or line is None:
         raise RuntimeError(f"ddp_baseline exit {done.rc}: {done.output[-1500:]}")
     return json.loads(line.split("DDP_BASELINE ", 1)[1])["total_sps"]

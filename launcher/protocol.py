@@ -23,6 +23,7 @@ ENV_PARENT_PID = "GPULAUNCH_PARENT_PID"  # the agent dies with this process (the
 ENV_AGENT_PID = "GPULAUNCH_AGENT_PID"  # the ranks die with their agent
 ENV_RAY_CONNECT = "GPULAUNCH_RAY_CONNECT"  # inside a Ray job: connect to the cluster, never embed one
 ENV_GRANTED_GPU = "GPULAUNCH_GRANTED_GPU"  # the GPU Ray granted this rank's actor
+ENV_RANK_SERVER_PID = "GPULAUNCH_RANK_SERVER_PID"  # the forkserver that forked this rank
 
 # --- tagged lines on an agent's or a host helper's output ---------------------------------------
 AGENT_FAILURE_TAG = "gpulaunch-agent-failure: "  # one JSON record per failed rank

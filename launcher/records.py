@@ -7,10 +7,17 @@ into plain data only at the edge (``to_dict`` for result.json). Standard library
 from __future__ import annotations
 
 import enum
+import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.protocol import RankReport
+
+
+def new_run_id() -> str:
+    """When the run started, and a few random hex digits: sorts by time, unique per machine."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
 class BackendName(str, enum.Enum):

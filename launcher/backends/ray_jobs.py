@@ -2,7 +2,7 @@
 
 ``launch JOB.yaml --backend ray --address http://HOST:8265`` submits the launcher itself as the
 Ray job: a copy of the job's directory (plus the effective spec, overrides applied) is the job's
-working dir, ``python -m launcher.backends.ray_jobs inside SPEC`` the entrypoint, and the Ray backend inside
+working dir, ``python -m launcher.control.submitted ray SPEC`` the entrypoint, and the Ray backend inside
 connects to that cluster instead of embedding one. The job's logs stream to the console; at the
 end the cluster-side launcher prints its run directory as a tagged, checksummed bundle in its last
 log lines, which is unpacked under the user's ``--out`` so ``result.json`` is where it would be
@@ -19,18 +19,18 @@ import io
 import os
 import shutil
 import signal
-import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
-from launcher.control.events import PlainEvents, RunEvents
+from launcher.control.events import RunEvents
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, LauncherError
 from launcher.procutil import handling_stop_signals
 from launcher.protocol import ENV_RAY_CONNECT as CONNECT_ENV
+from launcher.records import new_run_id
 from launcher.results.store import RunResult, load_result, write_result
 
 if TYPE_CHECKING:
@@ -121,7 +121,6 @@ def submit_and_wait(job: LoadedJob, *, address: str, out: str | Path, events: Ru
     """Submit ``job`` to the cluster, stream its logs, bring its run directory back under ``out``.
     Raises LauncherError when the job ended without sending its result back."""
     from launcher.backends.ray import check_single_pool, job_metadata
-    from launcher.control.api import new_run_id
     from launcher.spec.model import JobSpec
 
     check_single_pool(job)  # a Ray-specific message for resources.nodes > 1, before submitting
@@ -157,7 +156,7 @@ def _submit(jobs: Any, job: LoadedJob, submission_id: str, metadata: dict[str, s
     work = _working_dir(job)
     try:
         return jobs.submit_job(
-            entrypoint=f"python -m launcher.backends.ray_jobs inside {SPEC_FILE}",
+            entrypoint=f"python -m launcher.control.submitted ray {SPEC_FILE}",
             submission_id=submission_id,
             metadata=metadata,
             runtime_env={
@@ -301,36 +300,6 @@ def unpack_bundle(logs: str, out: Path) -> Path | None:
     return (out / top).resolve()
 
 
-class _JobLogEvents(PlainEvents):
-    """Inside the Ray job: rank lines into the job's log; the summary is the client's to show."""
-
-    def finished(self, result: RunResult) -> None:
-        """Nothing: the cluster-side run directory is temporary (the client unpacks the bundle)."""
-
-
-def inside(argv: Sequence[str]) -> int:
-    """The Ray job's entrypoint: run the launcher on this cluster, then send the run dir back."""
-    from launcher.control.api import run_job
-
-    out = Path(tempfile.mkdtemp(prefix="gpulaunch-job-"))
-    try:
-        try:
-            result = run_job(argv[0], backend="ray", out=out, events=_JobLogEvents())
-            code = result.exit_code
-        except LauncherError as exc:
-            for line in str(exc).splitlines() or ["failed"]:
-                print(f"error: {line}", file=sys.stderr, flush=True)
-            code = exc.exit_code
-        sys.stdout.flush()
-        runs = sorted(out.glob("*/*/result.json"))
-        if runs:
-            emit_bundle(runs[-1].parent)
-        sys.stdout.flush()
-        return code
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-
-
 # --- launch status | logs | stop ----------------------------------------------------------------------
 
 
@@ -368,8 +337,3 @@ def stop_job(job_id: str, address: str | None) -> str:
     return _stop_and_wait(client(address), job_id)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "inside":
-        sys.exit(inside(sys.argv[2:]))
-    print("usage: python -m launcher.backends.ray_jobs inside SPEC.yaml", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)

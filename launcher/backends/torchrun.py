@@ -10,14 +10,15 @@ after a grace period, then SIGKILL to any worker still alive, by pid.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import time
 
 from launcher.backends.base import Backend, BackendStatus, LaunchRequest
-from launcher.backends.transports import Transport, transport_for
-from launcher.control.planning import NodeSlot, StagePlan
+from launcher.backends.transports import LOCAL, Transport
+from launcher.control.planning import NodeSlot, NodeTarget, StagePlan
 from launcher.errors import BackendError
 from launcher.procutil import kill_now, stage_worker_pids
 from launcher.protocol import LOG_PREFIX_SEPARATOR, PORT_IN_USE_EXIT
@@ -60,6 +61,18 @@ def agent_env(node: NodeSlot) -> dict[str, str]:
     """The node's env plus torchrun's log-line prefix, which lets the LogRouter split the agent's
     merged output back into ranks."""
     return {**node.env, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"{node.host}:${{rank}}{LOG_PREFIX_SEPARATOR}"}
+
+
+@functools.cache
+def _ssh() -> Transport:
+    from launcher.backends.ssh import SshTransport  # the ssh client is needed only for clusters
+
+    return SshTransport()
+
+
+def transport_for(target: NodeTarget) -> Transport:
+    """The one transport instance for how ``target`` is reached."""
+    return LOCAL if target.ssh is None else _ssh()
 
 
 class TorchrunBackend(Backend):

@@ -2,12 +2,11 @@
 
 A transport prepares a stage on its nodes, starts one agent process per node whose merged output
 comes back through a pipe, stops those agents, and brings rank reports back. The torchrun backend
-picks one per node (``transport_for``) and otherwise never asks where a node is.
+picks one per node (``torchrun.transport_for``) and otherwise never asks where a node is.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import shlex
 import subprocess
@@ -18,7 +17,7 @@ from launcher.protocol import ENV_PARENT_PID
 
 if TYPE_CHECKING:
     from launcher.control.logrouting import LogRouter
-    from launcher.control.planning import NodeSlot, NodeTarget, StagePlan
+    from launcher.control.planning import NodeSlot, StagePlan
 
 
 class Transport(ABC):
@@ -66,15 +65,3 @@ class LocalTransport(Transport):
 
 
 LOCAL = LocalTransport()
-
-
-@functools.cache
-def _ssh() -> Transport:
-    from launcher.backends.ssh import SshTransport  # the ssh client is needed only for clusters
-
-    return SshTransport()
-
-
-def transport_for(target: NodeTarget) -> Transport:
-    """The one transport instance for how ``target`` is reached."""
-    return LOCAL if target.ssh is None else _ssh()

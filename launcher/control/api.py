@@ -9,7 +9,6 @@ through the Ray Jobs API. Every path returns a ``RunResult``; a notebook gets th
 from __future__ import annotations
 
 import contextlib
-import secrets
 import signal
 import socket
 import sys
@@ -28,7 +27,7 @@ from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.masking import mask_env
 from launcher.procutil import free_port, handling_stop_signals
-from launcher.records import BackendName, Failure, FailureReason, StageOutcome
+from launcher.records import BackendName, Failure, FailureReason, StageOutcome, new_run_id
 from launcher.results.aggregate import aggregate
 from launcher.results.hooks import attach_plots, run_summarize, workload_module
 from launcher.results.store import RunResult, write_result
@@ -122,10 +121,6 @@ def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "ru
     return DryRun(job, tuple(plans), requests, notes)
 
 
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-
-
 def _stop_on_signals(stop: StopRequest) -> contextlib.AbstractContextManager[None]:
     """Ctrl-C and SIGTERM ask the run loop to tear everything down, then the run reports.
 
@@ -176,7 +171,7 @@ def run_job(
         stage_sizes(loaded, nodes)  # impossible requests fail here, before anything is spawned
     run_id = new_run_id()
     run_dir = _make_run_dir(loaded, out, run_id)
-    stop = stop or StopRequest()
+    stop = StopRequest() if stop is None else stop  # an unset StopRequest is falsy
     started = time.time()
     with _stop_on_signals(stop), backend_cls.session(loaded):
         if nodes is None:  # a Ray cluster: plan on what it has, known once connected

@@ -52,8 +52,8 @@ def explain_failure(
     stuck = tuple(r.rank for r in reports if r.status not in (RankStatus.OK, RankStatus.FAILED)) if reason == FailureReason.TIMEOUT else ()
     if reason == FailureReason.INTERRUPTED:
         collateral: tuple[int, ...] = ()  # a stop is nobody's fault: nothing is "collateral"
-    else:
-        collateral = tuple(r.rank for r in reports if not r.ok and (root is None or r.rank != root.rank))
+    else:  # a stuck rank is named as stuck, not as collateral
+        collateral = tuple(r.rank for r in reports if not r.ok and r.rank not in stuck and (root is None or r.rank != root.rank))
     summary = {
         FailureReason.FAILED: root.line() if root else detail or "the group ended without a rank report",
         FailureReason.TIMEOUT: f"run exceeded timeouts.run_s={run_timeout_s:g}s; stuck ranks: {list(stuck) or 'none'}",
@@ -71,8 +71,9 @@ def find_root_cause(reports: Sequence[RankReport], rank_exits: Sequence[RankExit
     # ranks that died without a Python exception of their own, in the backend's order (those
     # that failed on their own first, then those their agent stopped)
     died = [e for e in rank_exits if (e.signal or e.exitcode) and not (e.rank in by_rank and by_rank[e.rank].error)]
-    if errored and not (died and errored[0].error and is_peer_loss(errored[0].error)):
-        return _from_error(errored[0])
+    own = next((r for r in errored if r.error and not is_peer_loss(r.error)), None)
+    if errored and not (died and own is None):
+        return _from_error(own or errored[0])
     if died:
         return _from_exit(died[0], by_rank.get(died[0].rank))
     return _from_error(errored[0]) if errored else None

@@ -88,9 +88,11 @@ def run_stage(
 
 
 def _archive_attempt(plan: StagePlan, folder: str) -> None:
+    archive = plan.stage_dir / folder
+    archive.mkdir(parents=True, exist_ok=True)  # a rename, not a copy of the logs
     for src in (plan.paths.reports, plan.paths.progress_dir, plan.paths.logs):
         if src.exists():
-            shutil.move(str(src), str(plan.stage_dir / folder / src.name))
+            shutil.move(str(src), str(archive / src.name))
 
 
 @dataclass

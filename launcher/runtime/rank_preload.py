@@ -14,8 +14,11 @@ import launcher.runtime.context  # noqa: F401
 import launcher.runtime.metrics  # noqa: F401
 import launcher.runtime.worker  # noqa: F401
 
+from launcher.protocol import ENV_RANK_SERVER_PID  # noqa: E402
+
 # The ranks' parent: each rank asks to die with it (the server itself ends with its agent).
 SERVER_PID = os.getpid()
+os.environ[ENV_RANK_SERVER_PID] = str(SERVER_PID)  # every rank forked from here inherits it
 
 
 def _exit_without_teardown() -> None:

@@ -35,6 +35,7 @@ from launcher.procutil import (  # noqa: E402
 from launcher.protocol import (  # noqa: E402
     ENV_AGENT_PID,
     ENV_HOST,
+    ENV_RANK_SERVER_PID,
     RankError,
     RankReport,
     RankStatus,
@@ -347,11 +348,9 @@ def forked_rank(worker_json: str) -> None:
     it with the rank's environment already set. Ends like ``main``: exit handlers run, and a
     failed rank exits non-zero (its report is written either way)."""
     started = time.time()
-    from launcher.runtime import rank_preload
-
-    server = rank_preload.SERVER_PID
+    server = int(os.environ.get(ENV_RANK_SERVER_PID, "0"))
     # the server's death takes its ranks with it (it ends with the agent, which ends with us)
-    die_with_parent(signal.SIGKILL, server if server != os.getpid() else None)
+    die_with_parent(signal.SIGKILL, server if server and server != os.getpid() else None)
     _enable_stack_dumps()
     config = WorkerConfig.from_json(Path(worker_json).read_text())
     report = run_rank(config, os.environ, spawned_at=process_spawn_time(), started_at=started)

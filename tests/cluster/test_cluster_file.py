@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.backends.ssh import JSON_TAG, remote_agent_command, ssh_argv
+from launcher.backends.ssh import remote_agent_command, ssh_argv
+from launcher.backends.torchrun import agent_argv
+from launcher.protocol import HOST_ANSWER_TAG as JSON_TAG
 from launcher.spec.cluster import load_cluster
 from launcher.runtime.devices import NodeInventory
 from launcher.errors import SpecError
@@ -101,7 +103,7 @@ def _plan(tmp_path: Path, nodes: int = 2):
 def test_ssh_command_uses_safe_options_and_quotes_every_argument(tmp_path):
     plan = _plan(tmp_path)
     node = plan.nodes[1]
-    argv = remote_agent_command(node, plan)
+    argv = remote_agent_command(node.target.ssh, plan.stage_dir, agent_argv(plan, node))
     assert argv[0] == "ssh" and "-T" in argv and "-tt" not in argv and "-t" not in argv
     opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
     for wanted in ("BatchMode=yes", "StrictHostKeyChecking=yes", "UserKnownHostsFile=/k/known", "ConnectTimeout=10",
@@ -111,8 +113,8 @@ def test_ssh_command_uses_safe_options_and_quotes_every_argument(tmp_path):
     dest = argv.index("--")
     assert argv[dest + 1] == "10.0.0.2" and len(argv) == dest + 3  # one remote command string
     remote = shlex.split(argv[-1])  # what the remote POSIX shell will parse
-    assert remote[:4] == ["exec", "/opt/my env/bin/python", "-m", "launcher.backends.ssh"]
-    assert remote[remote.index("--") + 1 :] == list(node.argv)  # the torchrun agent argv, intact
+    assert remote[:4] == ["exec", "/opt/my env/bin/python", "-m", "launcher.runtime.hostagent"]
+    assert remote[remote.index("--") + 1 :] == list(agent_argv(plan, node))  # the torchrun agent argv, intact
     assert str(plan.stage_dir) in remote  # the odd run dir survives as one word
     assert NASTY not in argv[-1] and "GL" not in argv[-1]  # spec values never reach a command line
 
@@ -131,7 +133,7 @@ def test_remote_command_is_data_for_a_real_shell(tmp_path):
 
 def test_host_side_helpers_answer_in_json(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "launcher.backends.ssh", "preflight", "--ifname", "lo", "--bind", "127.0.0.1"],
+        [sys.executable, "-m", "launcher.runtime.hostagent", "preflight", "--ifname", "lo", "--bind", "127.0.0.1"],
         capture_output=True, text=True, cwd=REPO,
     )
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith(JSON_TAG))

@@ -92,9 +92,9 @@ import torch.distributed as dist
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-print(f"hello from rank {rank} on {os.environ['LAUNCHER_HOST']}", flush=True)
+print(f"hello from rank {rank} on {os.environ['GPULAUNCH_HOST']}", flush=True)
 out = Path(os.environ["GL_OUT"])
-info = {"pid": os.getpid(), "host": os.environ["LAUNCHER_HOST"], "probe": os.environ["GL_PROBE"],
+info = {"pid": os.getpid(), "host": os.environ["GPULAUNCH_HOST"], "probe": os.environ["GL_PROBE"],
         "argv": sys.argv[1:], "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
 (out / f".rank{rank}.tmp").write_text(json.dumps(info))
 os.replace(out / f".rank{rank}.tmp", out / f"rank{rank}.json")

@@ -22,10 +22,10 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-# Replaces launcher.cluster.remote_free_port for its first call only; argv: PORT LAUNCH-ARGS...
+# Replaces launcher.backends.ssh.remote_free_port for its first call only; argv: PORT LAUNCH-ARGS...
 DRIVER = """\
 import sys
-import launcher.spec.cluster as cluster
+import launcher.backends.ssh as cluster
 real, taken = cluster.remote_free_port, [int(sys.argv[1])]
 handed_out = []
 def first_taken_then_real(target):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from launcher.spec.cluster import local_torch_version
+from launcher.backends.ssh import local_torch_version
 from tests.cluster.conftest import NetnsCluster
 from tests.conftest import REPO
 
@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 PREFLIGHT_SNIPPET = textwrap.dedent(
     """\
     import json, sys, time
-    from launcher.spec.cluster import load_cluster, preflight, remote_free_port
+    from launcher.backends.ssh import preflight, remote_free_port
+    from launcher.spec.cluster import load_cluster
     t0 = time.monotonic()
     nodes = preflight(load_cluster(sys.argv[1]))
     t1 = time.monotonic()

@@ -8,11 +8,10 @@ print this much at will) and the console is slow, as a busy terminal is.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 
-from launcher.runtime.agent import FAILURE_TAG
+from launcher.protocol import AGENT_FAILURE_TAG as FAILURE_TAG
 from launcher.control.api import local_node
 from launcher.backends.torchrun import TorchrunBackend
 from launcher.control.logrouting import LogRouter
@@ -31,13 +30,14 @@ raise SystemExit(1)
 """
 
 
-def test_the_failed_rank_is_named_even_when_its_record_arrives_after_the_exit(tmp_path):
+def test_the_failed_rank_is_named_even_when_its_record_arrives_after_the_exit(tmp_path, monkeypatch):
     job = load_job(REPO / "benchmarks" / "jobs" / "allreduce.yaml")
     node = local_node()
     plan = plan_stage(job, [node], 2, "cpu", run_dir=tmp_path, master_port=1, backend="torchrun")
     script = CHATTY_FAILED_AGENT.replace("{HOST}", node.name)
-    fake = dataclasses.replace(plan.nodes[0], argv=(sys.executable, "-c", script))
-    plan = dataclasses.replace(plan, nodes=(fake,))
+    import launcher.backends.torchrun
+
+    monkeypatch.setattr(launcher.backends.torchrun, "agent_argv", lambda plan, node: (sys.executable, "-c", script))
     logs = LogRouter(tmp_path / "logs", echo=lambda source, text: time.sleep(0.00005))
     backend = TorchrunBackend(plan, logs)
     backend.start()

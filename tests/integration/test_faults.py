@@ -15,7 +15,7 @@ import pytest
 
 from launcher.backends.base import RankExit
 from launcher.procutil import oom_kill_count
-from launcher.control.runloop import _describe_exit
+from launcher.control.diagnosis import find_root_cause
 from tests.conftest import pids_mentioning
 from tests.integration.faultkit import Launched, describe, record, result_of, wait_no_pids, write_spec
 
@@ -213,10 +213,10 @@ def test_restarts_are_bounded(tmp_path, launched):
 
 
 def test_sigkill_with_an_oom_kill_counted_is_called_out_of_memory():
-    oom = _describe_exit(RankExit(rank=1, exitcode=-9, signal="SIGKILL", oom_suspected=True))
-    assert oom["type"] == "OutOfMemoryKill" and "out of memory" in oom["message"] and oom["signal"] == "SIGKILL"
-    plain = _describe_exit(RankExit(rank=1, exitcode=-9, signal="SIGKILL"))
-    assert plain["type"] == "KilledBySignal" and plain["message"] == "killed by SIGKILL"
+    oom = find_root_cause([], [RankExit(rank=1, exitcode=-9, signal="SIGKILL", oom_suspected=True)])
+    assert oom.type == "OutOfMemoryKill" and "out of memory" in oom.message and oom.signal == "SIGKILL"
+    plain = find_root_cause([], [RankExit(rank=1, exitcode=-9, signal="SIGKILL")])
+    assert plain.type == "KilledBySignal" and plain.message == "killed by SIGKILL"
 
 
 def test_oom_kill_count_reads_cgroup_v1_and_v2_files(tmp_path):

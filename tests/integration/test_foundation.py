@@ -29,15 +29,19 @@ def test_matmul_scaling_runs_world_sizes_1_and_2(matmul_run):
     assert result["schema_version"] == 1
     assert (result["job"], result["backend"], result["status"]) == ("matmul_scaling", "torchrun", "succeeded")
     assert result["world_sizes"] == [1, 2] and result["world_size"] == 2
-    assert result["params"] == {"sizes": [32, 64], "iters": 3, "warmup": 1, "dtype": "float32",
-                                "concurrent_size": None, "concurrent_iters": None}  # what the ranks ran with
+    from launcher.workloads.matmul import Params
+
+    # what the ranks ran with: the spec's params with every default of the workload filled in
+    written = {"sizes": [32, 64], "iters": 3, "warmup": 1, "dtype": "float32"}
+    assert result["params"] == Params.model_validate(written).model_dump(mode="json", by_alias=True)
+    assert {k: result["params"][k] for k in written} == written and len(result["params"]) > len(written)
     assert set(result["phases"]) >= {"spawn", "import", "rendezvous", "pg_init", "run", "aggregate"}
     assert all(v is not None and v >= 0 for v in result["phases"].values())
     ranks = [r for r in result["ranks"] if r["world_size"] == 2]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         assert r["device"] == "cpu" and r["host"] == socket.gethostname() and r["status"] == "ok"
-        assert len(r["metrics"]["times_ms"]["matmul/64"]) == 1
+        assert len(r["metrics"]["times_ms"]["matmul/64"]) == result["params"]["trials"]  # one time per trial
         assert r["metrics"]["steps"] == 6  # 3 iters x 2 sizes, counted on the host
         assert {"spawned", "imported", "joined", "pg_ready", "first_step", "finished"} <= set(r["phases"])
         assert r["phases"]["imported"] <= r["phases"]["joined"] <= r["phases"]["pg_ready"] <= r["phases"]["first_step"]
@@ -85,7 +89,7 @@ def test_script_mode_gets_torchrun_env_and_prefixed_output(tmp_path):
     assert done.returncode == 0, done.stderr
     host = socket.gethostname()
     for rank in (0, 1):
-        line = next(l for l in done.stdout.splitlines() if l.startswith(f"{host}:{rank} env"))
+        line = next(ln for ln in done.stdout.splitlines() if ln.startswith(f"{host}:{rank} env"))
         assert f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1" in line
         assert "sum 3" in line and "['--lr', '3e-4']" in line
     (run_dir,) = (tmp_path / "runs" / "script_job").iterdir()

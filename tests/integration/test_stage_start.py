@@ -13,7 +13,7 @@ import json
 
 import launcher.control.api
 from launcher import run_job
-from launcher.spec.cluster import PreflightError
+from launcher.backends.ssh import PreflightError
 from launcher.procutil import free_port
 from tests.conftest import REPO, pids_mentioning
 

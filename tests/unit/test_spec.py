@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from launcher.errors import SpecError
 from launcher.masking import mask_env
@@ -39,7 +40,7 @@ def test_good_spec_loads_into_frozen_values(tmp_path):
     spec = job.spec
     assert spec.name == "tiny" and spec.world_sizes == (1, 2)
     assert spec.env["NUM"] == "4"  # scalars become strings for the environment
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):  # frozen
         spec.name = "other"  # type: ignore[misc]
     with pytest.raises(TypeError):
         spec.params["iters"] = 5  # type: ignore[index]

@@ -1,0 +1,195 @@
+"""A scripted fake ``Backend`` for unit tests of the run loop: no processes, no sockets.
+
+A script is one ``Attempt`` per backend instance the run loop makes (one per restart or port
+retry). An attempt lists what each ``poll()`` returns, in order, and what happens just before it
+returns (``Step``): rank reports and progress beacons written as the real worker writes them
+(``StagePaths`` + ``RankReport.to_dict()`` + ``write_json_atomic``), rank log lines routed through
+the run loop's ``LogRouter``, or any callable (set a stop request, write a raw file).
+
+Once its steps ran out, an attempt's ``poll()`` returns ``then`` (by default: still running, i.e.
+the group hangs) until the run loop calls ``stop()``; from then on it returns ``after_stop``.
+
+``scripted(*attempts)`` makes a ``FakeBackend`` subclass to hand to ``run_stage`` (which builds
+``backend_cls(plan, logs)`` itself); its ``instances`` list records every backend made, each
+with its plan and the calls the run loop made on it.
+"""
+
+from __future__ import annotations
+
+import signal as signal_module
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Mapping, Sequence, Union
+
+from launcher.backends.base import Backend, BackendStatus, LaunchRequest
+from launcher.control.planning import StagePlan
+from launcher.procutil import write_json_atomic
+from launcher.protocol import LOG_PREFIX_SEPARATOR, RankError, RankReport, RankStatus
+from launcher.records import RankExit
+
+RUNNING = BackendStatus(done=False)
+DONE_OK = BackendStatus(done=True, ok=True)
+# what the process layer says once the run loop stopped a group that had not ended by itself
+STOPPED = BackendStatus(done=True, ok=False, detail="stopped by the launcher")
+
+# what a rank's report says: OK, or the error it raised
+Outcome = Union[RankStatus, RankError]
+
+
+def error(type_: str, message: str, *, at: float | None = None, traceback: str | None = None) -> RankError:
+    """A rank's error as the worker records it (``traceback`` defaults to a plausible one)."""
+    tb = traceback if traceback is not None else (
+        "Traceback (most recent call last):\n"
+        '  File "/job/train.py", line 12, in run\n'
+        f"    raise {type_}({message!r})\n"
+        f"{type_}: {message}\n"
+    )
+    return RankError(type=type_, message=message, traceback=tb, time=time.time() if at is None else at)
+
+
+def peer_loss(at: float | None = None) -> RankError:
+    """What gloo raises in a rank whose peer died under it."""
+    return error(
+        "RuntimeError",
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500",
+        at=at,
+    )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ``poll()``: its side effects (in this order), then the status it returns."""
+
+    status: BackendStatus = RUNNING
+    beacons: Mapping[int, str] = field(default_factory=dict)  # rank -> phase
+    logs: Mapping[int, Sequence[str]] = field(default_factory=dict)  # rank -> lines
+    reports: Mapping[int, Outcome] = field(default_factory=dict)  # rank -> OK or its error
+    effect: Callable[["FakeBackend"], None] | None = None
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one backend instance (one attempt of a stage) does."""
+
+    polls: Sequence[Step] = ()
+    then: BackendStatus = RUNNING  # every poll after ``polls`` ran out, until stopped
+    after_stop: BackendStatus = STOPPED  # every poll once stopped
+    start_error: BaseException | None = None  # raised by start()
+    on_stop: Step | None = None  # side effects of stop() (its status is not used)
+    on_collect: Step | None = None  # side effects of collect(): reports a remote host brought back
+
+
+class FakeBackend(Backend):
+    """A ``Backend`` that plays its class's ``attempts``, one per instance, and records calls."""
+
+    name = "fake"
+    attempts: ClassVar[Sequence[Attempt]] = ()
+    instances: ClassVar[list["FakeBackend"]] = []
+
+    def __init__(self, plan: StagePlan, logs) -> None:  # noqa: ANN001 - a LogRouter
+        super().__init__(plan, logs)
+        cls = type(self)
+        index = len(cls.instances)
+        assert index < len(cls.attempts), f"the run loop made backend #{index + 1}; the script has {len(cls.attempts)}"
+        self.script = cls.attempts[index]
+        cls.instances.append(self)
+        self.calls: list[str] = []  # "start", "poll", "signal_ranks:SIGUSR1", "stop", "collect"
+        self.signals: list[int] = []
+        self.polls_before_stop = 0
+        self.stopped = False
+        self._next = 0
+
+    # --- what the run loop calls -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.calls.append("start")
+        if self.script.start_error is not None:
+            raise self.script.start_error
+
+    def poll(self) -> BackendStatus:
+        self.calls.append("poll")
+        if self.stopped:
+            return self.script.after_stop
+        self.polls_before_stop += 1
+        if self._next < len(self.script.polls):
+            step = self.script.polls[self._next]
+            self._next += 1
+            self.play(step)
+            return step.status
+        return self.script.then
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.calls.append("stop")
+        if not self.stopped and self.script.on_stop is not None:
+            self.play(self.script.on_stop)
+        self.stopped = True
+
+    def collect(self) -> None:
+        self.calls.append("collect")
+        if self.script.on_collect is not None:
+            self.play(self.script.on_collect)
+
+    def signal_ranks(self, signum: int) -> None:
+        self.calls.append(f"signal_ranks:{signal_module.Signals(signum).name}")
+        self.signals.append(signum)
+
+    @staticmethod
+    def launch_request(plan: StagePlan) -> LaunchRequest:
+        return LaunchRequest("fake", (f"fake {plan.job} world={plan.world_size} at {plan.rendezvous}",))
+
+    # --- what a step does, as the real processes would -------------------------------------------
+
+    def count(self, call: str) -> int:
+        return self.calls.count(call)
+
+    def play(self, step: Step) -> None:
+        for rank, phase in step.beacons.items():
+            self.write_beacon(rank, phase)
+        for rank, lines in step.logs.items():
+            for line in lines:
+                self.log(rank, line)
+        for rank, outcome in step.reports.items():
+            self.write_report(rank, outcome)
+        if step.effect is not None:
+            step.effect(self)
+
+    def write_beacon(self, rank: int, phase: str, steps: int = 0) -> None:
+        write_json_atomic(self.plan.paths.progress(rank), {"phase": phase, "steps": steps, "t": time.time()})
+
+    def log(self, rank: int, line: str) -> None:
+        """A line of the rank's output, as an agent's merged output carries it (``host:rank| text``)."""
+        host = self.plan.ranks[rank].host
+        self.logs.route(f"{host}:{rank}{LOG_PREFIX_SEPARATOR}{line}", host)
+
+    def write_report(self, rank: int, outcome: Outcome) -> RankReport:
+        slot = self.plan.ranks[rank]
+        now = time.time()
+        report = RankReport(
+            rank=slot.rank,
+            local_rank=slot.local_rank,
+            node_rank=slot.node_rank,
+            world_size=self.plan.world_size,
+            host=slot.host,
+            device=slot.device,
+            status=RankStatus.OK if outcome == RankStatus.OK else RankStatus.FAILED,
+            phases={"spawned": now - 0.01, "finished": now},
+            result={"rank": rank} if outcome == RankStatus.OK else None,
+            error=outcome if isinstance(outcome, RankError) else None,
+            hostname="fakehost",
+            pid=10_000 + rank,
+            rendezvous=str(self.plan.rendezvous),
+        )
+        write_json_atomic(self.plan.paths.report(rank), report.to_dict())
+        return report
+
+
+def scripted(*attempts: Attempt) -> type[FakeBackend]:
+    """A FakeBackend class that plays ``attempts`` in turn (one per instance the run loop makes)."""
+    return type("ScriptedBackend", (FakeBackend,), {"attempts": tuple(attempts), "instances": []})
+
+
+def exits(*items: tuple[int, str | int]) -> tuple[RankExit, ...]:
+    """``exits((1, "SIGKILL"), (0, 3))``: rank exits by signal name or exit code, on host "h"."""
+    return tuple(
+        RankExit(rank, None, how, host="h") if isinstance(how, str) else RankExit(rank, how, host="h") for rank, how in items
+    )
