@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import yaml
 
@@ -113,6 +113,9 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
 
 def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
     name, backend_cls = resolve_backend(job, backend, cluster)
+    if backend_cls.submits_run():  # a batch job: planned on what the scheduler will grant
+        plans, requests, notes = backend_cls.plan_submission(job, out=Path(out))
+        return DryRun(job, tuple(plans), tuple(requests), tuple(notes))
     nodes = resolve_nodes(job, cluster)
     run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
     plans = make_plans(job, nodes, run_dir=run_dir, master_port=rendezvous_port(nodes), backend=name)
@@ -155,8 +158,15 @@ def run_job(
     address: str | None = None,
     events: RunEvents | None = None,
     stop: StopRequest | None = None,
+    metrics: bool = True,
+    detach: bool = False,
+    run_dir: str | Path | None = None,
 ) -> RunResult:
-    """Run a job spec to its end and return its result (also written to ``result.json``)."""
+    """Run a job spec to its end and return its result (also written to ``result.json``).
+    ``metrics=False`` serves no Prometheus endpoint whatever the spec's ``monitoring`` says.
+    A backend that submits the run (Slurm) returns once it ended, or, with ``detach``, once it is
+    submitted (status ``pending``, its ``job_id`` and ``run_dir`` in the result's data); inside
+    that job the launcher runs into the ``run_dir`` the submitting launcher made."""
     loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
     events = events or PlainEvents()
     submit_to = ray_address(loaded, backend, address)
@@ -165,19 +175,46 @@ def run_job(
 
         return submit_and_wait(loaded, address=submit_to, out=out, events=events)
     name, backend_cls = resolve_backend(loaded, backend, cluster)
+    if backend_cls.submits_run():  # e.g. sbatch: the launcher runs again inside the job (run_dir=)
+        return backend_cls.submit_run(loaded, out=Path(out), events=events, stop=stop, detach=detach)
+    if detach:
+        raise LauncherError(f"--detach: the {name} backend runs the job from here; only slurm submits it", exit_code=EXIT_BAD_INPUT)
     nodes: list[NodeTarget] | None = None
     if not backend_cls.schedules_onto_cluster():
         nodes = resolve_nodes(loaded, cluster)
         stage_sizes(loaded, nodes)  # impossible requests fail here, before anything is spawned
-    run_id = new_run_id()
-    run_dir = _make_run_dir(loaded, out, run_id)
+    run_id = Path(run_dir).name if run_dir else new_run_id()
+    run_dir = Path(run_dir) if run_dir else _make_run_dir(loaded, out, run_id)
     stop = StopRequest() if stop is None else stop  # an unset StopRequest is falsy
     started = time.time()
-    with _stop_on_signals(stop), backend_cls.session(loaded):
-        if nodes is None:  # a Ray cluster: plan on what it has, known once connected
-            nodes = backend_cls.pool_nodes(loaded)
-        outcomes, cut_short = _run_stages(loaded, name, backend_cls, nodes, run_dir, stop, events)
-    return finish_run(loaded, name, run_id, run_dir, outcomes, started, events, cut_short=cut_short)
+    with _stop_on_signals(stop), _serving_metrics(loaded, run_id, name, events, metrics) as watched:
+        with backend_cls.session(loaded):
+            if nodes is None:  # a Ray cluster: plan on what it has, known once connected
+                nodes = backend_cls.pool_nodes(loaded)
+            outcomes, cut_short = _run_stages(loaded, name, backend_cls, nodes, run_dir, stop, watched)
+        return finish_run(loaded, name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short)
+
+
+@contextlib.contextmanager
+def _serving_metrics(loaded: LoadedJob, run_id: str, backend: str, events: RunEvents, wanted: bool) -> Iterator[RunEvents]:
+    """The run's events, also feeding a Prometheus endpoint on 127.0.0.1 while the run is live
+    (``monitoring.enabled`` and ``metrics=True``); closed when the run ends, however it ends."""
+    settings = loaded.spec.monitoring
+    if not (wanted and settings.enabled):
+        yield events
+        return
+    from launcher.control.monitoring import MetricsEvents, TeeEvents
+
+    metrics = MetricsEvents(loaded.spec.name, run_id, backend, settings.samples_per_step)
+    try:
+        url = metrics.start(settings.port)
+    except OSError as exc:
+        raise LauncherError(f"monitoring.port: {exc}; pick another port, 0 for a free one, or --no-metrics", exit_code=EXIT_BAD_INPUT) from None
+    try:
+        events.message(f"metrics: {url}")
+        yield TeeEvents(events, metrics)
+    finally:
+        metrics.close()
 
 
 def _make_run_dir(loaded: LoadedJob, out: str | Path, run_id: str) -> Path:
@@ -270,11 +307,26 @@ def finish_run(
     if "scaling" in result["summary"]:
         result["scaling"] = result["summary"]["scaling"]
     plots = attach_plots(result, run_dir, module)
+    _write_tensorboard(result, run_dir)
     result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
     write_result(run_dir, result)
     run = RunResult(result, run_dir, tuple(plots))
     events.finished(run)
     return run
+
+
+def _write_tensorboard(result: dict[str, Any], run_dir: Path) -> None:
+    """Every ``ctx.metrics`` series as TensorBoard scalars, once, at the end (``tensorboard
+    --logdir runs/``); nothing when the optional ``tensorboard`` package is not installed."""
+    from launcher.results.tensorboard import write_scalars
+
+    try:
+        written = write_scalars(result, run_dir)
+    except Exception as exc:  # noqa: BLE001 - an optional extra must never cost the run its results
+        result["tensorboard_error"] = f"{type(exc).__name__}: {exc}"
+        return
+    if written:
+        result["tensorboard"] = "tensorboard"  # relative to the run directory, like the plots
 
 
 def _workload_module(loaded: LoadedJob, result: dict[str, Any]) -> Any:

@@ -113,6 +113,58 @@ class RaySettings(_Frozen):
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
 
 
+# Slurm's own words for a time limit: MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS,
+# DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS
+SLURM_TIME = r"^(\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|INFINITE|UNLIMITED)$"
+SLURM_WORD = r"^[^\s'\"\\]+$"  # one token on an #SBATCH line: no blanks, quotes or backslashes
+PATTERN_HINTS[SLURM_TIME] = "expected a Slurm time limit: MINUTES, HH:MM:SS, D-HH or D-HH:MM:SS"
+PATTERN_HINTS[SLURM_WORD] = "expected one word (no blanks, quotes or backslashes)"
+# sbatch options the launcher writes itself: a spec field says them, or they are the launcher's
+# (where the output goes, that a job which lost a node is not run again into the same directory)
+_SBATCH_OWNED = {
+    "nodes": "resources.nodes", "ntasks": "resources", "ntasks-per-node": "resources",
+    "gpus-per-node": "resources.gpus_per_node", "gpus": "resources.gpus_per_node",
+    "cpus-per-task": "slurm.cpus_per_task", "partition": "slurm.partition", "account": "slurm.account",
+    "qos": "slurm.qos", "time": "slurm.time", "constraint": "slurm.constraint", "job-name": "name",
+    "output": None, "error": None, "chdir": None, "requeue": None, "array": None, "wrap": None,
+    "parsable": None, "wait": None,
+}  # fmt: skip
+SlurmWord = Annotated[str, StringConstraints(pattern=SLURM_WORD, max_length=1024)]
+
+
+def _sbatch_option(line: str) -> str:
+    if not re.fullmatch(r"--[A-Za-z][\w-]*(=\S.*)?", line) or any(c in line for c in "\r\n\0"):
+        raise ValueError(f"expected one long sbatch option, e.g. --mem=64G (got {line!r})")
+    option = line[2:].split("=", 1)[0]
+    if option in _SBATCH_OWNED:
+        field = _SBATCH_OWNED[option]
+        raise ValueError(f"--{option} is written by the launcher ({f'set {field} instead' if field else 'not an option here'})")
+    return line
+
+
+class SlurmSettings(_Frozen):
+    """What Slurm users always set; anything else as ``extra_sbatch`` options, one per item."""
+
+    partition: SlurmWord | None = None  # default: the cluster's default partition
+    account: SlurmWord | None = None
+    qos: SlurmWord | None = None
+    # default: every stage's timeouts.rendezvous_s + run_s, plus a minute, rounded up to minutes
+    time: Annotated[str, StringConstraints(pattern=SLURM_TIME)] | None = None
+    constraint: SlurmWord | None = None
+    # CPUs per node (one task per node runs its torchrun agent and ranks); default: one per rank
+    cpus_per_task: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
+    # e.g. ["--mem=64G", "--exclusive"]: written after the launcher's own #SBATCH lines
+    extra_sbatch: tuple[Annotated[str, AfterValidator(_sbatch_option)], ...] = Field((), max_length=64)
+
+
+class Monitoring(_Frozen):
+    # while a run is live the launcher serves Prometheus metrics on 127.0.0.1:port (0: a free one)
+    enabled: bool = True
+    port: StrictInt = Field(0, ge=0, le=65535)
+    # per rank and step, for samples/s on the dashboard (the job's global batch / world size)
+    samples_per_step: StrictInt | None = Field(None, ge=1)
+
+
 class JobSpec(_Frozen):
     name: str = Field(pattern=r"^[a-z0-9_-]+$", max_length=64)
     entrypoint: str | None = Field(None, pattern=ENTRYPOINT.pattern)
@@ -132,6 +184,8 @@ class JobSpec(_Frozen):
     start_method: Literal["forkserver", "spawn"] = "forkserver"
     cluster: str | None = None
     ray: RaySettings = RaySettings()
+    slurm: SlurmSettings = SlurmSettings()
+    monitoring: Monitoring = Monitoring()
     extends: str | None = None
 
     @model_validator(mode="after")

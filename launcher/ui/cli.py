@@ -38,6 +38,7 @@ def _run_parser() -> _Parser:
     p.add_argument("--address", help="Ray cluster to submit to, e.g. http://127.0.0.1:8265 (Ray Jobs API)")
     p.add_argument("--quiet", action="store_true", help="no rank output on the console (logs still written)")
     p.add_argument("--json", action="store_true", help="print result.json (or the dry-run plan) as JSON on stdout")
+    p.add_argument("--no-metrics", action="store_true", help="serve no Prometheus /metrics endpoint while the run is live")
     return p
 
 
@@ -55,7 +56,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 
     # with --json, stdout carries the JSON alone: the human summary goes to stderr
     ui = RunUI(Console(stderr=True), quiet=True) if args.json else RunUI(quiet=args.quiet)
-    result = run_job(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, events=ui)
+    result = run_job(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, events=ui, metrics=not args.no_metrics)
     if args.json:
         print(json.dumps(result.data, indent=2, default=str))
     return result.exit_code

@@ -313,7 +313,8 @@ class RunUI(RunEvents):
         self.print(Text(f"note: {text}", style="yellow"))
 
     def message(self, text: str) -> None:
-        self.print(Text(f"launcher: {text}", style="dim"))
+        # the launcher's own lines (where the metrics are, a restart) show even with --quiet
+        self.console.print(Text(f"launcher: {text}", style="dim"), soft_wrap=True)
 
     def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
         self.print(Text(f"▶ {job}: world size {world_size} on {device_type} ({backend})", style="bold"))
@@ -340,4 +341,6 @@ class RunUI(RunEvents):
     def show_result(self, result: Mapping[str, Any], run_dir: Any) -> None:
         for thing in summary_renderables(result):
             self.console.print(thing)
-        self.console.print(Text(f"run directory: {run_dir}", style="bold"))
+        for plot in result.get("plots") or ():
+            self.console.print(Text(f"plot: {run_dir}/{plot}"), soft_wrap=True)
+        self.console.print(Text(f"run directory: {run_dir}", style="bold"), soft_wrap=True)

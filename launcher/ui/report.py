@@ -43,6 +43,4 @@ def rerender(path: Path) -> int:
         result["plot_error"] = error
     write_result(run_dir, result)
     RunUI().show_result(result, run_dir)
-    for plot in result["plots"]:
-        print(f"plot: {run_dir / plot}")
     return EXIT_OK

@@ -1,0 +1,353 @@
+"""The launcher's Prometheus endpoint: ``/metrics`` on 127.0.0.1 while a run is live.
+
+The run loop already reads every rank's progress (the beacons the ranks write twice a second:
+host numbers, never a device sync); it hands a :class:`StageSample` to
+:meth:`MetricsEndpoint.update` about every 0.5 s, and Prometheus scrapes whatever the latest one
+says. Nothing here touches a rank or a device.
+
+Names and labels live here, in one place, for every exporter: this endpoint and the Ray actors
+(``ray.util.metrics``) use the same names and label keys. Ray prefixes application metrics with
+``ray_``, so one PromQL selector matches both sources::
+
+    {__name__=~"(ray_)?gpulaunch_steps_total", gpulaunch_job="matmul_scaling"}
+
+and ``max by (gpulaunch_job, run_id, world_size, rank) (...)`` folds the two into one series per
+rank where both are scraped (an embedded Ray run: the launcher's endpoint and the actors report the
+same rank). The job's name is the label ``gpulaunch_job``, never ``job``: Prometheus sets ``job``
+itself (the scrape job's name; Ray's service-discovery file says ``job="ray"``).
+
+Exported (with ``ray_`` in front when a Ray actor exports it):
+
+====================================  =======  ==========================================  =====================
+name                                  type     labels                                      what
+====================================  =======  ==========================================  =====================
+gpulaunch_steps_total                 counter  gpulaunch_job run_id world_size rank node   steps done in this stage
+gpulaunch_steps_per_second            gauge    ... rank node                               step rate, recent (5 s)
+gpulaunch_samples_per_second          gauge    ... rank node                               steps/s x samples/step
+gpulaunch_step_time_seconds           gauge    ... rank node                               host time per step, recent mean
+gpulaunch_last_step_time_seconds      gauge    ... rank node                               host time of the last step
+gpulaunch_rank_work_seconds           gauge    ... rank node                               the rank's own compute per step
+gpulaunch_straggler                   gauge    ... rank node                               1 while the rank is a straggler
+gpulaunch_rank_state                  gauge    ... rank node state                         1 for the rank's current state
+gpulaunch_restarts_total              counter  gpulaunch_job run_id world_size             group restarts of this stage
+gpulaunch_world_size                  gauge    gpulaunch_job run_id backend                the live stage's world size
+gpulaunch_step_seconds                histo.   ... rank node                               per-step host times (Ray only)
+====================================  =======  ==========================================  =====================
+
+The endpoint sees snapshots, not single steps, so it exports no histogram; the Ray actor sees
+every step (its step hook) and exports ``gpulaunch_step_seconds`` with :data:`STEP_SECONDS_BUCKETS`.
+Only the live stage's series are exported: when the world size changes, the old stage's series
+are gone from the next scrape, and Prometheus marks them stale at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+# --- names and labels: one place for the endpoint and the Ray actors -----------------------------
+
+LABEL_JOB = "gpulaunch_job"  # not "job": Prometheus sets that one (the scrape job; Ray's is "ray")
+LABEL_RUN_ID = "run_id"
+LABEL_WORLD_SIZE = "world_size"
+LABEL_RANK = "rank"
+LABEL_NODE = "node"
+LABEL_STATE = "state"
+LABEL_BACKEND = "backend"
+
+RANK_LABELS: tuple[str, ...] = (LABEL_JOB, LABEL_RUN_ID, LABEL_WORLD_SIZE, LABEL_RANK, LABEL_NODE)
+STAGE_LABELS: tuple[str, ...] = (LABEL_JOB, LABEL_RUN_ID, LABEL_WORLD_SIZE)
+RUN_LABELS: tuple[str, ...] = (LABEL_JOB, LABEL_RUN_ID, LABEL_BACKEND)
+# what a dashboard folds the endpoint's and Ray's series of one rank into (node may be spelt
+# differently by the two: the launcher's host name for a node, the actor's own hostname)
+RANK_KEY: tuple[str, ...] = (LABEL_JOB, LABEL_RUN_ID, LABEL_WORLD_SIZE, LABEL_RANK)
+
+RAY_PREFIX = "ray_"  # what Ray puts in front of every application metric it exports
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: ``name`` is what a client library is given (``prometheus_client`` and
+    ``ray.util.metrics`` alike); ``exported`` is the series name Prometheus stores (a counter
+    gains ``_total``); ``ray_exported`` is the name when a Ray actor exports it."""
+
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def exported(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+    @property
+    def ray_exported(self) -> str:
+        return RAY_PREFIX + self.exported
+
+    @property
+    def selector(self) -> str:
+        """A PromQL name matcher for both sources: ``{__name__=~"(ray_)?<exported>"}``'s inside."""
+        return f'__name__=~"({RAY_PREFIX})?{self.exported}"'
+
+
+STEPS = MetricSpec("gpulaunch_steps", "counter", RANK_LABELS, "Steps a rank has done in this stage (ctx.metrics.step()).")
+STEPS_PER_SECOND = MetricSpec("gpulaunch_steps_per_second", "gauge", RANK_LABELS, "A rank's step rate over the last few seconds.")
+SAMPLES_PER_SECOND = MetricSpec(
+    "gpulaunch_samples_per_second", "gauge", RANK_LABELS, "A rank's samples per second (steps/s times the job's samples per step)."
+)
+STEP_TIME = MetricSpec("gpulaunch_step_time_seconds", "gauge", RANK_LABELS, "Host time per step, recent mean.")
+LAST_STEP_TIME = MetricSpec("gpulaunch_last_step_time_seconds", "gauge", RANK_LABELS, "Host time of a rank's last step.")
+RANK_WORK = MetricSpec("gpulaunch_rank_work_seconds", "gauge", RANK_LABELS, "A rank's own compute time per step, recent mean.")
+STRAGGLER = MetricSpec("gpulaunch_straggler", "gauge", RANK_LABELS, "1 while the rank is flagged as a straggler, else 0.")
+RANK_STATE = MetricSpec(
+    "gpulaunch_rank_state", "gauge", RANK_LABELS + (LABEL_STATE,), "1 for the state a rank is in now (one series per rank)."
+)
+RESTARTS = MetricSpec("gpulaunch_restarts", "counter", STAGE_LABELS, "Group restarts of the live stage so far.")
+WORLD_SIZE = MetricSpec("gpulaunch_world_size", "gauge", RUN_LABELS, "World size of the live stage.")
+STEP_SECONDS = MetricSpec("gpulaunch_step_seconds", "histogram", RANK_LABELS, "Host time between steps (Ray actors: every step).")
+
+METRICS: tuple[MetricSpec, ...] = (
+    STEPS, STEPS_PER_SECOND, SAMPLES_PER_SECOND, STEP_TIME, LAST_STEP_TIME, RANK_WORK, STRAGGLER,
+    RANK_STATE, RESTARTS, WORLD_SIZE, STEP_SECONDS,
+)  # fmt: skip
+ENDPOINT_METRICS: tuple[MetricSpec, ...] = tuple(m for m in METRICS if m is not STEP_SECONDS)
+
+
+def _one_two_five(lo_exp: int, hi_exp: int) -> tuple[float, ...]:
+    return tuple(float(f"{m}e{e}") for e in range(lo_exp, hi_exp + 1) for m in (1, 2, 5))
+
+
+# 1-2-5 per decade, 100 us .. 500 s: fine enough for a median or p99 of a step time
+STEP_SECONDS_BUCKETS: tuple[float, ...] = _one_two_five(-4, 2)
+
+RATE_WINDOW_S = 5.0
+
+# Where endpoints announce themselves for Prometheus's file service discovery (see
+# configs/prometheus/prometheus.yml): one small JSON file per live run, removed at close.
+DEFAULT_SD_DIR = Path("/tmp/gpulaunch/prom_sd")
+SD_DIR_ENV = "GPULAUNCH_PROM_SD_DIR"
+
+
+def default_sd_dir() -> Path:
+    return Path(os.environ.get(SD_DIR_ENV) or DEFAULT_SD_DIR)
+
+
+def rank_tags(job: str, run_id: str, world_size: int, rank: int, node: str) -> dict[str, str]:
+    """The label values of one rank's series (``tags=`` for ``ray.util.metrics``)."""
+    return {LABEL_JOB: job, LABEL_RUN_ID: run_id, LABEL_WORLD_SIZE: str(world_size), LABEL_RANK: str(rank), LABEL_NODE: node}
+
+
+# --- what the run loop hands over ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankSample:
+    rank: int
+    node: str
+    state: str  # the rank's phase: "starting", "importing", "running", "finished", "failed", ...
+    steps: int
+    last_step_s: float | None = None
+    mean_step_s: float | None = None
+    work_s: float | None = None
+    straggler: bool = False
+
+
+@dataclass(frozen=True)
+class StageSample:
+    job: str
+    run_id: str
+    backend: str
+    world_size: int
+    restarts: int
+    ranks: tuple[RankSample, ...]
+    samples_per_step: int | None = None
+
+
+class _StepRate:
+    """Steps per second from successive samples of one rank's step counter, over a short window
+    (the beacons tick every 0.5 s, as do updates: one interval alone would alias to 0 or 2x)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.points: deque[tuple[float, int]] = deque()
+
+    def add(self, t: float, steps: int) -> float | None:
+        if self.points and steps < self.points[-1][1]:
+            self.points.clear()  # the rank started again (a restart): a new count
+        self.points.append((t, steps))
+        while len(self.points) > 2 and t - self.points[1][0] >= self.window_s:
+            self.points.popleft()  # keep one point at or beyond the window's start
+        t0, s0 = self.points[0]
+        if t - t0 <= 0:
+            return None
+        return (steps - s0) / (t - t0)
+
+
+class _Collector:
+    """Turns the latest StageSample into metric families at scrape time (only the live stage)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sample: StageSample | None = None
+        self.rates: dict[int, float | None] = {}
+
+    def describe(self) -> list[Any]:
+        return []  # nothing to check at registration; names are fixed above
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self.lock:
+            sample, rates = self.sample, dict(self.rates)
+        if sample is None:
+            return
+        fams = {
+            m.name: (CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily)(m.name, m.help, labels=m.labels)
+            for m in ENDPOINT_METRICS
+        }
+        ws = str(sample.world_size)
+        for r in sample.ranks:
+            labels = [sample.job, sample.run_id, ws, str(r.rank), r.node]
+            fams[STEPS.name].add_metric(labels, float(r.steps))
+            rate = rates.get(r.rank)
+            if rate is not None:
+                fams[STEPS_PER_SECOND.name].add_metric(labels, rate)
+                if sample.samples_per_step:
+                    fams[SAMPLES_PER_SECOND.name].add_metric(labels, rate * sample.samples_per_step)
+            for spec, value in ((STEP_TIME, r.mean_step_s), (LAST_STEP_TIME, r.last_step_s), (RANK_WORK, r.work_s)):
+                if value is not None:
+                    fams[spec.name].add_metric(labels, float(value))
+            fams[STRAGGLER.name].add_metric(labels, 1.0 if r.straggler else 0.0)
+            fams[RANK_STATE.name].add_metric(labels + [r.state], 1.0)
+        fams[RESTARTS.name].add_metric([sample.job, sample.run_id, ws], float(sample.restarts))
+        fams[WORLD_SIZE.name].add_metric([sample.job, sample.run_id, sample.backend], float(sample.world_size))
+        yield from fams.values()
+
+
+class MetricsEndpoint:
+    """``/metrics`` for one run, on its own registry (several runs in one process never clash).
+
+    ``start()`` binds (port 0: any free port) and returns the port; ``update()`` takes the latest
+    :class:`StageSample` (cheap: no I/O); ``close()`` stops the server thread and frees the port.
+    Usable as a context manager.
+    """
+
+    def __init__(self, *, rate_window_s: float = RATE_WINDOW_S, clock: Any = time.monotonic) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.registry: CollectorRegistry = CollectorRegistry(auto_describe=False)
+        self._collector = _Collector()
+        self.registry.register(self._collector)  # type: ignore[arg-type]
+        self._rate_window_s = rate_window_s
+        self._clock = clock
+        self._rates: dict[tuple[str, int, int], _StepRate] = {}
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._sd_file: Path | None = None
+        self.host: str | None = None
+        self.port: int | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self, host: str = "127.0.0.1", port: int = 0, *, sd_dir: os.PathLike | str | None = None, sd_name: str | None = None) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port); returns the bound port.
+
+        ``sd_dir``: also write ``<sd_dir>/<sd_name>.json``, a Prometheus file-SD target list
+        naming this endpoint (the scrape config in configs/prometheus/ reads that directory), so a
+        free port needs no configuration; removed again by :meth:`close`.
+        """
+        from prometheus_client import start_http_server
+
+        if self._server is not None:
+            raise RuntimeError(f"metrics endpoint already serving on {self.url}")
+        try:
+            started = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
+        if not isinstance(started, tuple):  # prometheus-client < 0.18 returns nothing to stop
+            raise RuntimeError("the metrics endpoint needs prometheus-client >= 0.18")
+        self._server, self._thread = started
+        self.host, self.port = host, int(self._server.server_address[1])
+        if sd_dir is not None:
+            self._sd_file = _write_sd_file(Path(sd_dir), sd_name or f"gpulaunch-{os.getpid()}-{self.port}", self.target)
+        return self.port
+
+    @property
+    def target(self) -> str:
+        host = self.host or "127.0.0.1"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.target}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and free the port; idempotent."""
+        if self._sd_file is not None:
+            with contextlib.suppress(OSError):
+                self._sd_file.unlink()
+            self._sd_file = None
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> "MetricsEndpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- data --------------------------------------------------------------------------------------
+    def update(self, sample: StageSample) -> None:
+        """Take the latest progress of the live stage (from one thread, the run loop's). Step
+        rates come from successive updates; a new stage (another world size or run) starts its
+        ranks' rates afresh, and its series replace the old stage's at the next scrape."""
+        now = self._clock()
+        rates: dict[int, float | None] = {}
+        live = set()
+        for r in sample.ranks:
+            key = (sample.run_id, sample.world_size, r.rank)
+            live.add(key)
+            tracker = self._rates.get(key)
+            if tracker is None:
+                tracker = self._rates[key] = _StepRate(self._rate_window_s)
+            rates[r.rank] = tracker.add(now, r.steps)
+        for key in [k for k in self._rates if k not in live]:
+            del self._rates[key]
+        with self._collector.lock:
+            self._collector.sample = sample
+            self._collector.rates = rates
+
+    def clear(self) -> None:
+        """Export nothing (between stages, say) until the next update."""
+        with self._collector.lock:
+            self._collector.sample = None
+            self._collector.rates = {}
+        self._rates.clear()
+
+
+def _write_sd_file(directory: Path, name: str, target: str) -> Path:
+    """``[{"targets": ["127.0.0.1:PORT"]}]`` in ``directory/name.json``, written atomically. The
+    directory is shared by every user's runs (like /tmp): made world-writable with the sticky bit."""
+    if not directory.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(directory, 0o1777)
+    path = directory / f"{name}.json"
+    tmp = directory / f".{name}.json.tmp"
+    tmp.write_text(json.dumps([{"targets": [target]}]))
+    os.replace(tmp, path)
+    return path
