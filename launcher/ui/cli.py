@@ -71,11 +71,14 @@ def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
         return EXIT_OK
     from rich.console import Console
 
+    from rich.text import Text
+
     from launcher.ui.console import plan_renderables
 
     console = Console()
     for thing in plan_renderables(dry.plans, dry.requests):
-        console.print(thing)
+        # env lines and commands are never wrapped: piped or pasted, each stays one runnable line
+        console.print(thing, soft_wrap=isinstance(thing, Text))
     if dry.job.params:  # what the ranks would run with, the workload's defaults included
         console.print(f"params: {json.dumps(dict(dry.job.params))}", markup=False, highlight=False, soft_wrap=True)
     for note in dry.notes:
