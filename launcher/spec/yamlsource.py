@@ -69,6 +69,7 @@ def load_yaml(path: Path, *, what: str = "file") -> SourcedData:
         node = loader.get_single_node()
         if node is None:
             raise SpecError([f"{name}: empty file, expected a YAML mapping"])
+        _refuse_alias_bombs(node, name)
         problems: list[str] = []
         locations: dict[PathKey, Location] = {}
         _index(node, (), name, locations, problems)
@@ -84,6 +85,37 @@ def load_yaml(path: Path, *, what: str = "file") -> SourcedData:
     finally:
         loader.dispose()
     return SourcedData(data, locations, Location(name, 1))
+
+
+# A spec is a few hundred values; aliases may repeat parts of it, but a document whose aliases
+# expand to millions ("billion laughs": 400 bytes, nine levels of `&a [*a, *a, ...]`) is refused
+# before anything walks the expansion, so every spec is judged within a second.
+MAX_EXPANDED_VALUES = 100_000
+
+
+def _refuse_alias_bombs(root: yaml.Node, file: str) -> None:
+    """Count the values the document expands to, each distinct node once (memoised): linear in
+    the file's size whatever its aliases do."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        sizes[id(node)] = 1  # a recursive alias counts once, not forever
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(item) for item in node.value)
+        else:
+            total = 1
+        sizes[id(node)] = total
+        if total > MAX_EXPANDED_VALUES:
+            raise SpecError([f"{file}:{node.start_mark.line + 1}: YAML aliases expand this document to more than "
+                             f"{MAX_EXPANDED_VALUES:,} values; expected a job spec (write the values out, or use fewer aliases)"])
+        return total
+
+    size(root)
 
 
 def _index(node: yaml.Node, path: PathKey, file: str, out: dict[PathKey, Location], problems: list[str]) -> None:

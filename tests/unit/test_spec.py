@@ -337,3 +337,20 @@ def test_two_threads_checking_one_slow_module_both_get_its_params(tmp_path):
     with ThreadPoolExecutor(2) as pool:
         jobs = list(pool.map(lambda _: load_job(spec), range(2)))
     assert [j.resolved_params for j in jobs] == [{"steps": 5}, {"steps": 5}]
+
+
+def test_a_yaml_alias_bomb_is_refused_before_anything_expands_it(tmp_path):
+    lines = ["name: bomb", "entrypoint: launcher.workloads.matmul:run", 'a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]  # 9**10 values
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SpecError, match=r"bomb.yaml:\d+: YAML aliases expand this document to more than 100,000 values"):
+        load_job(path)
+
+
+def test_ordinary_aliases_still_work(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("name: anchors\nentrypoint: launcher.workloads.matmul:run\nenv: &common {A: '1'}\nparams: {sizes: &s [32]}\n"
+                    "scaling: {workers: [1]}\n")
+    job = load_job(path)
+    assert job.spec.env["A"] == "1" and list(job.spec.params["sizes"]) == [32]
