@@ -25,6 +25,7 @@ class BackendName(str, enum.Enum):
 
     TORCHRUN = "torchrun"
     RAY = "ray"
+    SLURM = "slurm"
 
     @classmethod
     def names(cls) -> list[str]:
@@ -90,6 +91,7 @@ class RootCause:
     log_tail: tuple[str, ...] = ()
     exitcode: int | None = None
     signal: str | None = None
+    hint: str | None = None  # one line on the likely fix, when the failure has a known cause
 
     def line(self) -> str:
         return f"rank {self.rank} on {self.host} ({self.device}): {self.type}: {self.message}"
@@ -107,6 +109,8 @@ class RootCause:
         if self.exitcode is not None or self.signal is not None:
             data.update(exitcode=self.exitcode, signal=self.signal)
         data["log_tail"] = list(self.log_tail)
+        if self.hint:
+            data["hint"] = self.hint
         return data
 
 

@@ -22,6 +22,12 @@ PEER_LOSS = re.compile(
     re.IGNORECASE,
 )
 LOG_TAIL_LINES = 20
+# a rank on the CPU whose code reached for CUDA or NCCL (a script written for a GPU box)
+CUDA_ON_CPU = re.compile(r"_cuda_setDevice|torch\.cuda|CUDA|NCCL|nccl|Torch not compiled with CUDA", re.IGNORECASE)
+CUDA_ON_CPU_HINT = (
+    "this rank ran on the CPU (no GPU visible here) and the job's code uses CUDA or NCCL: run it where "
+    "GPUs are, or let it follow the device it is given (ctx.device, or cuda only if torch.cuda.is_available(), with gloo)"
+)
 
 
 def is_peer_loss(error: RankError) -> bool:
@@ -90,6 +96,7 @@ def _from_error(report: RankReport) -> RootCause:
         message=report.error.message,
         traceback=report.error.traceback,
         log_tail=log_tail(report.log),
+        hint=CUDA_ON_CPU_HINT if report.device == "cpu" and CUDA_ON_CPU.search(f"{report.error.message}\n{report.error.traceback}") else None,
     )
 
 

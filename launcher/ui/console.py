@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ def plan_renderables(plans: Sequence[StagePlan], requests: Sequence[LaunchReques
     return out
 
 
-def summary_renderables(result: Mapping[str, Any]) -> list[Any]:
+def summary_renderables(result: Mapping[str, Any], *, traceback_shown: bool = False) -> list[Any]:
     """The end-of-run summary: one row per stage, the workload's own table and conclusions, any failure."""
     out: list[Any] = []
     stage_rows = [
@@ -110,25 +111,70 @@ def summary_renderables(result: Mapping[str, Any]) -> list[Any]:
     if result.get("plot_error"):
         out.append(Text(f"the job's plots failed: {result['plot_error']}", style="yellow"))
     if result.get("failure"):
-        out.extend(failure_renderables(result["failure"]))
+        out.extend(failure_renderables(result["failure"], traceback_shown=traceback_shown))
     return out
 
 
-def failure_renderables(failure: Mapping[str, Any]) -> list[Any]:
+def failure_renderables(failure: Mapping[str, Any], *, traceback_shown: bool = False) -> list[Any]:
+    """The failure in a few lines: what failed where, the traceback once (the job's own frames;
+    ``traceback_shown``: it already scrolled by as the rank's output), who was stopped because of it."""
+    if failure.get("reason") == "interrupted":
+        return [Text(f"INTERRUPTED: {failure['summary']}; every rank was stopped, and what had finished is kept", style="bold yellow")]
     out: list[Any] = [Text(f"FAILED: {failure['summary']}", style="bold red")]
     root = failure.get("root_cause")
     if root:
-        out.append(Text(f"root cause: host {root['host']}, rank {root['rank']}, local rank {root['local_rank']}, device {root['device']}"))
-        if root.get("traceback"):
-            out.append(Text(root["traceback"].rstrip(), style="red"))
-        if root.get("log_tail"):
+        where = f"root cause: host {root['host']}, rank {root['rank']}, local rank {root['local_rank']}, device {root['device']}"
+        if root.get("traceback") and traceback_shown:
+            where += " (its traceback is above)"
+        out.append(Text(where))
+        if root.get("traceback") and not traceback_shown:
+            out.append(Text("\n".join(job_frames(root["traceback"].rstrip().splitlines())), style="red"))
+        elif root.get("log_tail") and not root.get("traceback"):
             out.append(Text(f"last lines of rank {root['rank']}'s log:", style="dim"))
-            out.append(Text("\n".join(root["log_tail"]), style="dim"))
+            out.append(Text("\n".join(root["log_tail"][-LOG_TAIL_SHOWN:]), style="dim"))
+        if root.get("hint"):
+            out.append(Text(f"hint: {root['hint']}", style="yellow"))
     if failure.get("collateral_ranks"):
         out.append(Text(f"stopped as collateral: ranks {failure['collateral_ranks']}", style="yellow"))
     if failure.get("stuck_ranks"):
         out.append(Text(f"stuck ranks (stacks dumped to their logs): {failure['stuck_ranks']}", style="yellow"))
     return out
+
+
+LOG_TAIL_SHOWN = 6
+# the launcher's own code inside a rank, and torch's elastic agent: kept in the logs, not shown
+_OWN_FRAMES = (f"{os.sep}launcher{os.sep}runtime{os.sep}", f"{os.sep}torch{os.sep}distributed{os.sep}elastic{os.sep}")
+# torchelastic's own chatter while the launcher tears a group down (in the agent's log, not the console)
+_AGENT_NOISE = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ .*torch/distributed/elastic/|^gpulaunch-agent: stopped by ")
+
+
+class TracebackFilter:
+    """Drops the launcher's own frames from tracebacks in one stream of lines, line by line (a
+    frame is its ``File ...`` line plus the indented lines under it)."""
+
+    def __init__(self) -> None:
+        self._in_traceback = False
+        self._skipping = False
+
+    def keep(self, line: str) -> bool:
+        if line.startswith("Traceback (most recent call last):"):
+            self._in_traceback, self._skipping = True, False
+            return True
+        if not self._in_traceback:
+            return True
+        if line.startswith('  File "'):
+            self._skipping = any(part in line for part in _OWN_FRAMES)
+            return not self._skipping
+        if line.startswith("    "):
+            return not self._skipping
+        self._in_traceback = self._skipping = False  # the exception line ends it
+        return True
+
+
+def job_frames(lines: Sequence[str]) -> list[str]:
+    """A traceback without the launcher's own frames."""
+    kept = TracebackFilter()
+    return [line for line in lines if kept.keep(line)]
 
 
 @dataclass(frozen=True)
@@ -295,6 +341,7 @@ class RunUI(RunEvents):
         self.echo_ranks = echo_ranks and not quiet
         self._live: Live | None = None
         self._lock = threading.Lock()
+        self._filters: dict[str, TracebackFilter] = {}
 
     def print(self, *things: Any) -> None:
         if not self.quiet:
@@ -303,6 +350,10 @@ class RunUI(RunEvents):
     def rank_output(self, source: str, text: str) -> None:
         if not self.echo_ranks:
             return
+        if source.endswith(":agent") and _AGENT_NOISE.search(text):
+            return  # torchelastic's teardown chatter: in the agent's log
+        if not self._filters.setdefault(source, TracebackFilter()).keep(text):
+            return  # the launcher's own frame of a rank's traceback: in the rank's log
         rank = source.rpartition(":")[2]
         style = _RANK_STYLES[int(rank) % len(_RANK_STYLES)] if rank.isdigit() else "dim"
         line = Text.assemble((f"{source} ", style), text) if source else Text(text)
@@ -336,10 +387,11 @@ class RunUI(RunEvents):
             self._live = None
 
     def finished(self, result: RunResult) -> None:
-        self.show_result(result.data, result.run_dir)
+        self.show_result(result.data, result.run_dir, live=True)
 
-    def show_result(self, result: Mapping[str, Any], run_dir: Any) -> None:
-        for thing in summary_renderables(result):
+    def show_result(self, result: Mapping[str, Any], run_dir: Any, *, live: bool = False) -> None:
+        # a root cause's traceback scrolled by as its rank's output when this run echoed the ranks
+        for thing in summary_renderables(result, traceback_shown=live and self.echo_ranks):
             self.console.print(thing)
         for plot in result.get("plots") or ():
             self.console.print(Text(f"plot: {run_dir}/{plot}"), soft_wrap=True)

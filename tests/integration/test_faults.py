@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.backends.base import RankExit
+from launcher.records import RankExit
 from launcher.procutil import oom_kill_count
 from launcher.control.diagnosis import find_root_cause
-from tests.conftest import pids_mentioning
+from tests.conftest import launch, pids_mentioning
 from tests.integration.faultkit import Launched, describe, record, result_of, wait_no_pids, write_spec
 
 HOST = socket.gethostname()
@@ -69,8 +69,15 @@ def test_rank_that_raises_is_the_root_cause_and_stops_the_rest_fast(tmp_path, la
     # the console report: one failure report with the same facts
     assert out.count("FAILED: rank 1 on") == 1
     assert f"root cause: host {HOST}, rank 1, local rank 1, device cpu" in out
-    assert "last lines of rank 1's log:" in out and "stopped as collateral: ranks [0]" in out
+    assert "stopped as collateral: ranks [0]" in out
     assert "SignalException" not in out, "teardown must not look like a second failure"
+    # the traceback once, with the job's frames only; torchelastic's teardown warnings stay in the logs
+    assert out.count("ValueError: injected failure on rank 1") == 2  # the traceback's last line, and the FAILED line
+    assert out.count("Traceback (most recent call last):") == 1 and "faulty.py" in out
+    assert "launcher/runtime/worker.py" not in out and "Received 15 death signal" not in out
+    assert "launcher/runtime/worker.py" in root["traceback"]  # ... which result.json keeps whole
+    failure_block = out[out.index("FAILED: rank 1 on"):out.index("run directory:")]
+    assert len(failure_block.splitlines()) <= 15
     # nothing lost: the completed stage's results stay, the failed stage keeps its logs
     stage1, stage2 = result["stages"]
     assert (stage1["world_size"], stage1["status"], stage2["status"]) == (1, "succeeded", "failed")
@@ -265,3 +272,22 @@ def test_dry_run_masks_secrets_and_quotes_spec_values(tmp_path, capsys, monkeypa
         assert f"{name}=****" in text
     assert "visible;" in text  # ordinary values are shown; they reach workers as env, never a shell
     assert not (tmp_path / "runs").exists() and not Path("/tmp/gpulaunch-pwned").exists()
+
+
+def test_a_script_that_needs_a_gpu_on_a_cpu_machine_gets_one_hint_line(tmp_path):
+    """pytorch/examples' DDP tutorial style: torch.cuda.set_device and NCCL, hard-coded."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run")
+    (tmp_path / "gpu_only.py").write_text(
+        "import os, torch\ntorch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+        "torch.distributed.init_process_group('nccl')\n"
+    )
+    spec = write_spec(tmp_path, name="gpu_only", script="gpu_only.py", resources={"cpu_workers": 1})
+    done = launch(str(spec), "--out", str(tmp_path / "runs"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    shown = " ".join(done.stdout.split())  # the console wraps at its width
+    assert shown.count("hint: ") == 1 and "hint: this rank ran on the CPU (no GPU visible here) and the job's code uses CUDA or NCCL" in shown
+    (run_dir,) = (tmp_path / "runs" / "gpu_only").iterdir()
+    assert "CUDA or NCCL" in result_of(run_dir)["failure"]["root_cause"]["hint"]

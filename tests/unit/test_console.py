@@ -142,3 +142,37 @@ def test_a_workload_summary_without_a_title_still_shows_its_table(result: dict[s
     untitled["summary"]["title"] = None
     text = render(summary_renderables(untitled), 80)
     assert "summary" in text and "gflops" in text
+
+
+def test_tracebacks_lose_the_launchers_own_frames_and_keep_the_jobs() -> None:
+    from launcher.ui.console import job_frames
+
+    tb = [
+        "Traceback (most recent call last):",
+        '  File "/x/launcher/runtime/worker.py", line 219, in run_rank',
+        "    rank.run_entry(entry, device)",
+        '  File "/x/launcher/runtime/worker.py", line 177, in run_entry',
+        "    r.result = _jsonable(entry(ctx))",
+        "                         ^^^^^^^^^^",
+        '  File "/home/me/train.py", line 37, in run',
+        "    raise ValueError('bad batch')",
+        "ValueError: bad batch",
+        "an ordinary line after it",
+    ]
+    assert job_frames(tb) == [tb[0], *tb[6:]]
+
+
+def test_a_failure_prints_its_root_cause_once_and_an_interrupt_is_no_failure() -> None:
+    from launcher.ui.console import failure_renderables
+
+    root = {"host": "h", "rank": 1, "local_rank": 1, "device": "cpu", "type": "ValueError", "message": "bad",
+            "traceback": 'Traceback (most recent call last):\n  File "/x/launcher/runtime/worker.py", line 1, in run_rank\n'
+                         '    x()\n  File "/me/train.py", line 2, in run\n    raise ValueError("bad")\nValueError: bad',
+            "log_tail": ["ValueError: bad"], "hint": None}
+    failure = {"reason": "failed", "summary": "rank 1 on h (cpu): ValueError: bad", "root_cause": root, "collateral_ranks": [0]}
+    shown = render(failure_renderables(failure, traceback_shown=True), 80)
+    assert "(its traceback is above)" in shown and "Traceback" not in shown and "last lines" not in shown
+    quiet = render(failure_renderables(failure), 80)  # --quiet: the traceback was not shown live
+    assert quiet.count("Traceback (most recent call last):") == 1 and "/me/train.py" in quiet and "worker.py" not in quiet
+    interrupted = render(failure_renderables({"reason": "interrupted", "summary": "interrupted (SIGINT)", "collateral_ranks": []}), 80)
+    assert interrupted.startswith("INTERRUPTED: interrupted (SIGINT)") and "FAILED" not in interrupted and "collateral" not in interrupted
