@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import difflib
 import importlib
 import importlib.machinery
 import importlib.util
 import os
+import pkgutil
 import sys
 import threading
 from importlib.machinery import ModuleSpec
@@ -159,9 +161,54 @@ def _stamp(found: ModuleSpec) -> tuple[str, int] | None:
         return None
 
 
-def check_entrypoint(entrypoint: str, pythonpath: str, label: str) -> type[BaseModel] | None:
+def _close(name: str, choices: Iterator[str] | list[str]) -> str | None:
+    found = difflib.get_close_matches(name, sorted(set(choices)), n=1, cutoff=0.7)
+    return found[0] if found else None
+
+
+def _siblings(module: str) -> list[str]:
+    """The modules that ``module`` could have been meant as: those beside it in its package
+    (found, not imported), or the top-level ones on the Python path."""
+    parent, _, _ = module.rpartition(".")
+    if not parent:
+        return [m.name for m in pkgutil.iter_modules()]
+    try:
+        found = importlib.util.find_spec(parent)
+    except (ImportError, ValueError):
+        return []
+    if found is None or not found.submodule_search_locations:
+        return []
+    return [f"{parent}.{m.name}" for m in pkgutil.iter_modules(found.submodule_search_locations)]
+
+
+def module_not_found(module: str, label: str, base_dir: Path | None) -> str:
+    """Where the module was looked for, the likely fix, and a near name if there is one."""
+    message = f"{label}: module '{module}' not found on the Python path (PYTHONPATH and installed packages)"
+    near = _close(module, _siblings(module))
+    if near:
+        return f"{message}; did you mean '{near}'?"
+    if base_dir is not None:
+        beside = base_dir / (module.replace(".", os.sep) + ".py")
+        if beside.is_file():
+            return (
+                f"{message}; {beside} is beside the spec: put its directory on the Python path for the launcher "
+                f"and the ranks (PYTHONPATH={base_dir} launch ..., or env: {{PYTHONPATH: {base_dir}}} in the spec)"
+            )
+    return f"{message}; install it, or add its directory to PYTHONPATH (or to env: PYTHONPATH in the spec)"
+
+
+def _defined_functions(source: Path) -> list[str]:
+    try:
+        tree = ast.parse(source.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def check_entrypoint(entrypoint: str, pythonpath: str, label: str, base_dir: Path | None = None) -> type[BaseModel] | None:
     """Raise SpecError unless ``module:function`` exists; return the module's ``Params`` model,
-    if it declares one. ``label``: where the entrypoint was given (``FILE:LINE: entrypoint``)."""
+    if it declares one. ``label``: where the entrypoint was given (``FILE:LINE: entrypoint``);
+    ``base_dir``: the spec's directory, where a module not on the path may sit."""
     module, _, function = entrypoint.partition(":")
     with _lock, _search_path(pythonpath):
         if _shadowed(module):
@@ -172,12 +219,14 @@ def check_entrypoint(entrypoint: str, pythonpath: str, label: str) -> type[BaseM
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a parent package's __init__ raised
             raise SpecError([f"{label}: importing the packages above '{module}' failed: {type(exc).__name__}: {exc}"]) from None
         if found is None:
-            raise SpecError([f"{label}: module '{module}' not found on the Python path"])
+            raise SpecError([module_not_found(module, label, base_dir)])
         source = Path(found.origin) if found.origin and found.origin.endswith(".py") else None
         if source is None:
             return None  # compiled or namespace module: the rank's import is the check
         if not defines(source, function):
-            raise SpecError([f"{label}: module '{module}' ({found.origin}) has no function '{function}'"])
+            near = _close(function, _defined_functions(source))
+            hint = f", did you mean '{near}'?" if near else ""
+            raise SpecError([f"{label}: module '{module}' ({found.origin}) has no function '{function}'{hint}"])
         if not defines(source, PARAMS_MODEL, strict=True):
             return None
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -354,3 +355,36 @@ def test_ordinary_aliases_still_work(tmp_path):
                     "scaling: {workers: [1]}\n")
     job = load_job(path)
     assert job.spec.env["A"] == "1" and list(job.spec.params["sizes"]) == [32]
+
+
+def test_spec_and_params_problems_come_in_one_round_sorted_by_line(tmp_path):
+    path = tmp_path / "many.yaml"
+    path.write_text("name: m\nbackend: torchrunn\nentrypoint: launcher.workloads.matmul:run\n"
+                    "resources: {gpus_per_nod: 2}\nparams: {iter: 3}\n")
+    with pytest.raises(SpecError) as caught:
+        load_job(path)
+    lines = [int(p.split(":")[1]) for p in caught.value.problems]
+    assert lines == sorted(lines) == [2, 4, 5]
+    assert "params.iter: unknown key, did you mean 'iters'?" in caught.value.problems[-1]
+
+
+def test_a_missing_module_says_where_it_looked_and_how_to_fix_it(tmp_path):
+    (tmp_path / "mytrain.py").write_text("def run(ctx):\n    return {}\n")
+    path = tmp_path / "job.yaml"
+    path.write_text("name: mine\nentrypoint: mytrain:run\n")
+    with pytest.raises(SpecError) as caught:
+        load_job(path)
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"{path}:2: entrypoint: module 'mytrain' not found on the Python path")
+    assert f"{tmp_path / 'mytrain.py'} is beside the spec" in problem and f"env: {{PYTHONPATH: {tmp_path}}}" in problem
+
+
+@pytest.mark.parametrize("entrypoint, hint", [
+    ("launcher.workloads.matmull:run", "did you mean 'launcher.workloads.matmul'?"),
+    ("launcher.workloads.matmul:runn", "has no function 'runn', did you mean 'run'?"),
+])
+def test_misspelt_modules_and_functions_get_a_suggestion(tmp_path, entrypoint, hint):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"name: m\nentrypoint: {entrypoint}\n")
+    with pytest.raises(SpecError, match=re.escape(hint)):
+        load_job(path)
