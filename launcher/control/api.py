@@ -22,7 +22,7 @@ import yaml
 from launcher import backends
 from launcher.backends.base import Backend, LaunchRequest
 from launcher.control.events import PlainEvents, RunEvents
-from launcher.control.planning import NodeTarget, StagePlan, device_notes, make_plans, plan_stage, stage_sizes
+from launcher.control.planning import NodeTarget, StagePlan, check_node_split, device_notes, make_plans, plan_stage, stage_sizes
 from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.masking import mask_env
@@ -63,6 +63,7 @@ def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
     path = cluster_path(job, cluster)
     if path is None:
         return [local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))]
+    check_node_split(job)  # decided by the spec alone: no host is contacted for it
     from launcher.backends.ssh import preflight
     from launcher.spec.cluster import load_cluster
 
@@ -104,6 +105,7 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
         from launcher.spec.cluster import load_cluster
 
         config = load_cluster(path)
+        check_node_split(job)
         return f"{name}: {len(config.hosts)} host(s) in {cluster or job.spec.cluster}, checked over SSH when it runs"
     nodes = resolve_nodes(job, None)
     device_type, sizes = stage_sizes(job, nodes)

@@ -164,12 +164,31 @@ def device_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str) 
     """What the plan decided that the spec did not say outright. A spec written for a GPU box
     (``gpus_per_node: 8``) still runs on a laptop's CPU under ``device: auto``, but says so."""
     res = job.spec.resources
+    notes = slot_notes(job, nodes, device_type)
     if device_type != "cpu" or res.device != "auto" or res.gpus_per_node in ("auto", 0):
-        return []
+        return notes
     bare = next(n.name for n in nodes if n.inventory.gpu_count == 0)
     return [
         f"resources.gpus_per_node is {res.gpus_per_node}, but {bare} has no visible GPU: running on the CPU "
-        f"with resources.cpu_workers instead (resources.device: cuda makes this an error)"
+        f"with resources.cpu_workers instead (resources.device: cuda makes this an error)",
+        *notes,
+    ]
+
+
+def slot_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str) -> list[str]:
+    """When ``scaling.workers`` leaves worker slots unused (``--set resources.cpu_workers=4`` on a
+    job that scales over [1, 2]), say which setting decides, instead of changing nothing silently."""
+    sizes = job.spec.world_sizes
+    if not sizes:
+        return []
+    capacity = procs_per_node(job, nodes, device_type) * len(nodes)
+    if max(sizes) >= capacity:
+        return []
+    what = "resources.cpu_workers" if device_type == "cpu" else "the GPUs"
+    more = sorted({*sizes, capacity})
+    return [
+        f"{what} give {capacity} worker slot(s), but scaling.workers {list(sizes)} decides the world sizes: "
+        f"at most {max(sizes)} are used (--set scaling.workers=[{','.join(map(str, more))}] to use them all)"
     ]
 
 
@@ -191,6 +210,19 @@ def procs_per_node(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str
     if res.cpu_workers == "auto":
         return max(1, min(n.inventory.cpu_count for n in nodes))
     return res.cpu_workers
+
+
+def check_node_split(job: LoadedJob) -> None:
+    """World sizes that cannot be split evenly over ``resources.nodes`` are refused from the spec
+    alone, before any host is contacted."""
+    nodes = job.spec.resources.nodes
+    uneven = [size for size in job.spec.world_sizes or () if size % nodes]
+    if nodes > 1 and uneven:
+        fitting = [nodes * k for k in range(1, 3)]
+        raise PlanError(
+            f"{job.path}: scaling.workers: world size {uneven[0]} does not divide over {nodes} nodes "
+            f"(resources.nodes); use multiples of {nodes}, e.g. --set scaling.workers=[{','.join(map(str, fitting))}]"
+        )
 
 
 def world_sizes(job: LoadedJob, capacity: int, node_count: int) -> list[int]:

@@ -197,3 +197,22 @@ def test_placed_gpus_are_each_nodes_granted_devices_with_every_rank_on_its_own(t
     assert placed.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert [r.device for r in placed.ranks] == ["cuda:3", "cuda:1", "cuda:0", "cuda:2"]
     assert placed.rank_env(placed.ranks[0])["GPULAUNCH_GRANTED_GPU"] == "3"
+
+
+def test_world_sizes_that_cannot_split_over_the_nodes_are_refused_from_the_spec_alone(tmp_path):
+    from launcher.control.planning import check_node_split
+
+    with pytest.raises(PlanError, match=r"world size 1 does not divide over 2 nodes .* --set scaling.workers=\[2,4\]"):
+        check_node_split(job(tmp_path, "resources: {nodes: 2}\nscaling: {workers: [1, 2]}\n"))
+    check_node_split(job(tmp_path, "resources: {nodes: 2}\nscaling: {workers: [2, 4]}\n"))  # fits: no error
+    check_node_split(job(tmp_path, "resources: {nodes: 2}\n"))  # no scaling: every slot of every node, always fits
+
+
+def test_unused_worker_slots_are_named_with_the_setting_that_decides(tmp_path):
+    from launcher.control.planning import device_notes
+
+    spec = job(tmp_path, "resources: {cpu_workers: 4}\nscaling: {workers: [1, 2]}\n")
+    (note,) = device_notes(spec, [node("laptop", cpus=8)], "cpu")
+    assert "resources.cpu_workers give 4 worker slot(s), but scaling.workers [1, 2] decides" in note
+    assert "--set scaling.workers=[1,2,4]" in note
+    assert device_notes(job(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [1, 2]}\n"), [node("l", cpus=8)], "cpu") == []
