@@ -63,6 +63,13 @@ def devices_table(inv: NodeInventory, cpu_workers: int) -> list[Any]:
     return out
 
 
+def runs_table(title: str, rows: Sequence[Sequence[str]]) -> Any:
+    """``launch runs``: job, run id (when it started), status, world sizes, backend, headline."""
+    names = ("job", "run", "status", "world sizes", "backend", "headline")
+    columns = [_Col(name, justify="left", whole=name not in ("headline", "job")) for name in names]
+    return _FittedTable(title, columns, rows)
+
+
 def plan_renderables(plans: Sequence[StagePlan], requests: Sequence[LaunchRequest]) -> list[Any]:
     """Per stage: the rank table, each node's env, and the backend's own launch request."""
     out: list[Any] = []

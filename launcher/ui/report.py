@@ -44,3 +44,46 @@ def rerender(path: Path) -> int:
     write_result(run_dir, result)
     RunUI().show_result(result, run_dir)
     return EXIT_OK
+
+
+def _headline(result: dict) -> str:
+    """The run's one figure worth a glance: the job's own ``summary.headline`` when it gives one,
+    else its wall time and steps per rank; a failure's summary line for a failed run."""
+    summary = result.get("summary") or {}
+    failure = result.get("failure") or {}
+    if failure:
+        return str(failure.get("summary", ""))[:120]
+    if summary.get("headline"):
+        return str(summary["headline"])
+    parts = [f"{result['wall_s']:.1f} s"] if isinstance(result.get("wall_s"), (int, float)) else []
+    steps = summary.get("steps_per_rank")
+    if isinstance(steps, (int, float)):
+        parts.append(f"{steps:g} steps/rank")
+    return ", ".join(parts)
+
+
+def list_runs(root: Path, job: str | None = None, limit: int = 20) -> int:
+    """``launch runs [JOB] [--out DIR]``: the latest runs under ``root``, newest first."""
+    from rich.console import Console
+
+    from launcher.ui.console import runs_table
+
+    pattern = f"{job}/*/{RESULT_FILE}" if job else f"*/*/{RESULT_FILE}"
+    found = sorted(root.glob(pattern), key=lambda p: p.parent.name, reverse=True)[:limit]
+    rows = []
+    for path in found:
+        result = load_result(path.parent) or {}
+        rows.append((
+            str(result.get("job", path.parent.parent.name)),
+            path.parent.name,
+            str(result.get("status", "?")),
+            ",".join(map(str, result.get("world_sizes") or [])) or "-",
+            str(result.get("backend", "?")),
+            _headline(result),
+        ))
+    console = Console()
+    if not rows:
+        console.print(f"no runs under {root}" + (f" for job {job}" if job else ""))
+        return EXIT_OK
+    console.print(runs_table(f"runs under {root}", rows))
+    return EXIT_OK
