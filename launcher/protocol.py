@@ -103,6 +103,7 @@ class WorkerConfig:
     rendezvous_timeout_s: float  # bounds the ranks' rendezvous (store connect, every rank arrived)
     # bounds each collective (the process group's timeout); None: torch's default for pg_backend
     collective_timeout_s: float | None = None
+    run_id: str = ""  # the run this stage belongs to (metrics labels)
 
     @property
     def paths(self) -> StagePaths:

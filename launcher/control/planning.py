@@ -328,6 +328,7 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         params=dict(job.params),  # resolved once by the launcher: what the dry run shows is what ranks get
         rendezvous_timeout_s=spec.timeouts.rendezvous_s,
         collective_timeout_s=spec.timeouts.collective_s,
+        run_id=paths.root.parent.name,
     )
 
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import ray
 
+from launcher import metric_names as names
 from launcher.procutil import write_json_atomic
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, RankReport, WorkerConfig
 from launcher.runtime.devices import usable_cpu_count
 
-STEP_TIME_BUCKETS_S = [0.0001, 0.001, 0.01, 0.1, 1.0, 10.0]
 
 
 class _OutputTee:
@@ -69,18 +69,25 @@ class _OutputTee:
 
 
 class _StepMetrics:
-    """Ray metrics for the dashboard: the step hook only bumps host numbers (no device sync);
-    a background thread exports them once a second."""
+    """Ray metrics for the dashboard, under the names and labels the launcher's own Prometheus
+    endpoint uses (``launcher.metric_names``: ``gpulaunch_job``, never ``job``, which Prometheus
+    owns). The step hook only bumps host numbers (no device sync); a thread exports them once a second."""
 
-    def __init__(self, job: str, rank: int) -> None:
+    RECENT = 50  # steps in the recent mean of the step time
+
+    def __init__(self, job: str, run_id: str, world_size: int, rank: int, node: str) -> None:
         from ray.util.metrics import Counter, Gauge, Histogram
 
-        self.tags = {"job": job, "rank": str(rank)}
-        keys = ("job", "rank")
-        self.counter = Counter("gpulaunch_steps", description="steps done by a rank", tag_keys=keys)
-        self.gauge = Gauge("gpulaunch_step_time_s", description="last host time between steps", tag_keys=keys)
-        self.hist = Histogram("gpulaunch_step_seconds", description="host time between steps", boundaries=STEP_TIME_BUCKETS_S, tag_keys=keys)
+        self.tags = names.rank_tags(job, run_id, world_size, rank, node)
+        keys = names.RANK_LABELS
+        self.counter = Counter(names.STEPS.name, description=names.STEPS.help, tag_keys=keys)
+        self.mean = Gauge(names.STEP_TIME.name, description=names.STEP_TIME.help, tag_keys=keys)
+        self.last = Gauge(names.LAST_STEP_TIME.name, description=names.LAST_STEP_TIME.help, tag_keys=keys)
+        self.hist = Histogram(
+            names.STEP_SECONDS.name, description=names.STEP_SECONDS.help, boundaries=list(names.STEP_SECONDS_BUCKETS), tag_keys=keys
+        )
         self.pending: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.recent: collections.deque[float] = collections.deque(maxlen=self.RECENT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="gpulaunch-metrics")
         self._thread.start()
@@ -98,9 +105,11 @@ class _StepMetrics:
             batch.append(self.pending.popleft())
         if not batch:
             return
+        self.recent.extend(batch)
         with contextlib.suppress(Exception):  # metrics are best effort; the report is what counts
             self.counter.inc(len(batch), tags=self.tags)
-            self.gauge.set(batch[-1], tags=self.tags)
+            self.last.set(batch[-1], tags=self.tags)
+            self.mean.set(sum(self.recent) / len(self.recent), tags=self.tags)
             for seconds in batch[-1000:]:
                 self.hist.observe(seconds, tags=self.tags)
 
@@ -151,7 +160,7 @@ class RankActor:
         mismatch = _device_mismatch(config.device_type, env)
         if mismatch:
             return _mismatch_report(config, env, mismatch).to_dict()
-        metrics = _StepMetrics(self.job, self.rank)
+        metrics = _StepMetrics(self.job, config.run_id, int(env["WORLD_SIZE"]), self.rank, env.get(ENV_HOST, socket.gethostname()))
         try:
             return run_rank(config, os.environ, spawned_at=self.started, step_hooks=[metrics.hook]).to_dict()
         finally:

@@ -8,7 +8,7 @@ import re
 
 import yaml
 
-from launcher.control import metrics_endpoint as me
+from launcher import metric_names as me
 from tests.conftest import REPO
 
 GRAFANA = REPO / "configs" / "grafana"

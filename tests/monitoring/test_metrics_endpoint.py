@@ -12,7 +12,8 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from launcher.control import metrics_endpoint as me
+from launcher import metric_names as me
+from launcher.control import metrics_endpoint as endpoint_module
 from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample
 
 
@@ -193,10 +194,10 @@ def test_writes_a_file_sd_entry_while_live(tmp_path):
 
 
 def test_default_sd_dir_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.delenv(me.SD_DIR_ENV, raising=False)
-    assert me.default_sd_dir() == me.DEFAULT_SD_DIR
-    monkeypatch.setenv(me.SD_DIR_ENV, str(tmp_path))
-    assert me.default_sd_dir() == tmp_path
+    monkeypatch.delenv(endpoint_module.SD_DIR_ENV, raising=False)
+    assert endpoint_module.default_sd_dir() == endpoint_module.DEFAULT_SD_DIR
+    monkeypatch.setenv(endpoint_module.SD_DIR_ENV, str(tmp_path))
+    assert endpoint_module.default_sd_dir() == tmp_path
 
 
 def test_names_labels_and_buckets_for_the_ray_actors():

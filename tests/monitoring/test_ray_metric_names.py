@@ -1,5 +1,5 @@
 """Ray's metrics and the launcher's endpoint share names and labels: Ray actors export the names of
-launcher.control.metrics_endpoint through ``ray.util.metrics`` (Ray puts ``ray_`` in front), a real
+launcher.metric_names through ``ray.util.metrics`` (Ray puts ``ray_`` in front), a real
 Prometheus scrapes them with the config Ray generates (its service-discovery file, ``job="ray"``),
 and the README's PromQL and the dashboard's folded queries find one series per rank, the launcher's
 endpoint scraped beside them or not.
@@ -36,7 +36,7 @@ STEP_S = 0.025
 DRIVER = r'''
 import os, socket, sys, time
 import ray
-from launcher.control import metrics_endpoint as me
+from launcher import metric_names as me
 
 temp_dir, stop_file, job, run_id, step_s, dash_port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]), int(sys.argv[6])
 ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dash_port,
