@@ -112,7 +112,9 @@ def make_launch(backend: str, device: str, extra_env: dict[str, str] | None = No
                 pythonpath: str | None = None, extra_args: tuple[str, ...] = ()) -> Callable[[Path], dict[str, Any]]:
     def run(work: Path) -> dict[str, Any]:
         env = bench_env(extra_env, pythonpath=pythonpath)
-        argv = [tool("launch"), str(JOB), "--backend", backend, "--quiet", *_job_args(device), *extra_args]
+        # a variant's checkout may lay the package out differently: run its own CLI (`python -m launcher`)
+        cli = [sys.executable, "-m", "launcher"] if pythonpath else [tool("launch")]
+        argv = [*cli, str(JOB), "--backend", backend, "--quiet", *_job_args(device), *extra_args]
         return _launch_record(argv, env, work)
 
     return run
