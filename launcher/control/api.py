@@ -9,13 +9,14 @@ through the Ray Jobs API. Every path returns a ``RunResult``; a notebook gets th
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import yaml
 
@@ -30,6 +31,7 @@ from launcher.procutil import free_port, handling_stop_signals
 from launcher.records import BackendName, Failure, FailureReason, StageOutcome, new_run_id
 from launcher.results.aggregate import aggregate
 from launcher.results.hooks import attach_plots, run_summarize, workload_module
+from launcher.results.series import default_summary, plot_series
 from launcher.results.store import RunResult, write_result
 from launcher.runtime.devices import discover
 from launcher.spec.model import LoadedJob, load_job
@@ -113,6 +115,24 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
     return f"{name}: world sizes {sizes} on {device_type} here{notes}"
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def _one_connection_per_host(fn: _Fn) -> _Fn:
+    """Every SSH connection a run opens (the preflight logs in to each host once) is reused by
+    its stages and closed when the run ends, however it ends. A local run opens none."""
+
+    @functools.wraps(fn)
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        from launcher.backends.ssh import connection_scope
+
+        with connection_scope():
+            return fn(*args, **kwargs)
+
+    return scoped  # type: ignore[return-value]
+
+
+@_one_connection_per_host
 def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
     name, backend_cls = resolve_backend(job, backend, cluster)
     if backend_cls.submits_run():  # a batch job: planned on what the scheduler will grant
@@ -150,6 +170,7 @@ def ray_address(job: LoadedJob, backend: str | None, address: str | None) -> str
     return job.spec.ray.address if (backend or job.spec.backend) == BackendName.RAY else None
 
 
+@_one_connection_per_host
 def run_job(
     job: str | Path | LoadedJob,
     *,
@@ -308,7 +329,12 @@ def finish_run(
     result["summary"].update(run_summarize(result, module, loaded.params))
     if "scaling" in result["summary"]:
         result["scaling"] = result["summary"]["scaling"]
-    plots = attach_plots(result, run_dir, module)
+    default_plots = None
+    if getattr(module, "summarize", None) is None:  # no hooks: every logged series, per rank
+        result["summary"].update(default_summary(result))
+    if getattr(module, "plot", None) is None:
+        default_plots = plot_series
+    plots = attach_plots(result, run_dir, module, default_plots)
     _write_tensorboard(result, run_dir)
     result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
     write_result(run_dir, result)

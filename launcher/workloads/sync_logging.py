@@ -10,9 +10,13 @@ in three ways, each doing exactly the same arithmetic:
 * ``recorder``: the launcher's own ``ctx.metrics.log(...)`` + ``ctx.metrics.step()``; the runtime
   copies the values to the host once, after the job.
 
-Each variant is timed (host wall clock, device drained before and after, median of ``repeats``),
-then run once more under a ``SyncCounter``: host reads counted on every device and, on CUDA,
-the synchronisations PyTorch reports with ``torch.cuda.set_sync_debug_mode("warn")``.
+Each variant is warmed up, then timed ``repeats`` times (trials), the variants taking turns so
+that a change in the machine's load hits all three alike. The clock is the host's wall clock with
+the device drained before and after: what differs between the variants is how long the host
+waits, which is what this clock sees (CUDA events would miss the host's stalls). The summary
+reports the median with the min-max of the trials and flags noisy figures. Each variant then runs
+once more under a ``SyncCounter``: host reads counted on every device and, on CUDA, the
+synchronisations PyTorch reports with ``torch.cuda.set_sync_debug_mode("warn")``.
 """
 
 from __future__ import annotations
@@ -27,19 +31,23 @@ from launcher.workloads._common import (
     SyncCounter,
     WorkloadParams,
     devices_label,
-    med,
+    flags_for,
+    machine_state,
     ok_ranks,
     rnd,
     save_figure,
+    span,
+    stat,
     torch_dtype,
     wall_clock,
+    yerr,
 )
 
 
 class Params(WorkloadParams):
     steps: Count = 1000  # matmuls, each logging one norm
     n: Count = 100  # matrix size
-    repeats: Count = 3  # timed runs of each variant (median)
+    repeats: Count = 3  # timed trials of each variant (median and min-max reported)
     warmup: NonNegative = 1
     dtype: DtypeName = "float32"
     seed: NonNegative = 0
@@ -57,7 +65,7 @@ PLOT_LABELS = {"item": ".item() every step", "device": "log on device, 1 copy", 
 def run(ctx: Any) -> dict[str, Any]:
     import torch
 
-    from launcher.metrics import MetricsRecorder
+    from launcher.runtime.metrics import MetricsRecorder
 
     p = Params.model_validate(ctx.params)
     steps, n, repeats, warmup, dtype = p.steps, p.n, p.repeats, p.warmup, torch_dtype(p.dtype)
@@ -91,15 +99,17 @@ def run(ctx: Any) -> dict[str, Any]:
         "recorder": (recorder_loop, lambda rec: rec.to_host()["values"]["sync/norm"]),  # what the runtime does
     }
     counter = SyncCounter(ctx.device)
-    out: dict[str, Any] = {"steps": steps, "n": n, "norm_sum": {}}
-    for name, (loop, finish) in variants.items():
+    out: dict[str, Any] = {"steps": steps, "n": n, "norm_sum": {}, "machine_start": machine_state()}
+    for loop, finish in variants.values():
         for _ in range(warmup):
             finish(loop(MetricsRecorder(ctx.device)))
-        for _ in range(repeats):
+    for _ in range(repeats):  # trials: the variants take turns
+        for name, (loop, finish) in variants.items():
             scratch = MetricsRecorder(ctx.device)  # throw-away recorders: ctx.metrics keeps one clean log
             with wall_clock(ctx.device) as ms:
                 finish(loop(scratch))
             ctx.metrics.add_time_ms(f"wall/{name}", ms())
+    for name, (loop, finish) in variants.items():
         # Once more under the counter, with ctx.metrics itself for the recorder variant.
         rec = ctx.metrics if name == "recorder" else MetricsRecorder(ctx.device)
         with counter.counting(f"{name}/loop"):
@@ -110,6 +120,7 @@ def run(ctx: Any) -> dict[str, Any]:
     out["host_reads"] = dict(counter.host_reads)
     out["device_syncs"] = None if counter.device_syncs is None else dict(counter.device_syncs)
     out["device_name"] = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    out["machine_end"] = machine_state()
     return out
 
 
@@ -118,18 +129,22 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     ranks = ok_ranks(stages)
     p = Params.model_validate(params)
     steps = p.steps
-    per_rank, walls = [], {v: [] for v in VARIANTS}
+    per_rank, walls, trials = [], {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
     for r in ranks:
         res = r.get("result") or {}
         times = r.get("metrics", {}).get("times_ms", {})
         recorded = r.get("metrics", {}).get("values", {}).get("sync/norm", [])
         entry = {"world_size": r["world_size"], "rank": r["rank"], "device": r["device"], "variants": {}}
         for v in VARIANTS:
-            wall = med(times.get(f"wall/{v}"))
+            own = stat(times.get(f"wall/{v}"))
+            wall = own.median if own else None
             walls[v].append(wall)
+            trials[v].extend(times.get(f"wall/{v}") or [])
             syncs = res.get("device_syncs")
             entry["variants"][v] = {
                 "wall_ms": rnd(wall),
+                "wall_ms_min": rnd(own and own.min),
+                "wall_ms_max": rnd(own and own.max),
                 "host_reads_per_step": rnd(res.get("host_reads", {}).get(f"{v}/loop", 0) / steps, 6),
                 "host_reads_in_loop": res.get("host_reads", {}).get(f"{v}/loop"),
                 "host_reads_at_end": res.get("host_reads", {}).get(f"{v}/end"),
@@ -146,17 +161,30 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
         )
         per_rank.append(entry)
     rows = []
-    device_wall = med(walls["device"])
     on_cuda = any(str(r["device"]).startswith("cuda") for r in ranks)
+    every = {v: stat(trials[v]) for v in VARIANTS}  # every trial of every rank: the range and the spread
+    device_wall = _median_rank(walls["device"])
+    dev = every["device"]
     for v in VARIANTS:
-        wall = med(walls[v])
+        wall = _median_rank(walls[v])  # the median rank's median
         first = [e["variants"][v] for e in per_rank]
+        s_all = every[v]
+        flags, note = flags_for(s_all and s_all.spread, trials=p.repeats)
         rows.append(
             {
                 "variant": LABELS[v],
                 "wall_ms": rnd(wall, 3),
+                "wall_ms_min": rnd(s_all and s_all.min, 3),
+                "wall_ms_max": rnd(s_all and s_all.max, 3),
+                "wall_range": span(s_all.min, s_all.max) if s_all else None,
+                "trials": s_all.n if s_all else 0,
+                "spread": rnd(s_all and s_all.spread, 3),
                 "us_step": rnd(wall * 1e3 / steps if wall is not None and steps else None, 3),
                 "ratio": rnd(wall / device_wall if wall and device_wall else None, 3),
+                "ratio_min": rnd(s_all.min / dev.max if s_all and dev and v != "device" else None, 3),
+                "ratio_max": rnd(s_all.max / dev.min if s_all and dev and v != "device" else None, 3),
+                "flags": flags,
+                "note": note,
                 "reads_loop": _same(e["host_reads_in_loop"] for e in first),
                 "syncs_loop": _same(e["device_syncs_in_loop"] for e in first) if on_cuda else None,
                 "at_end": _same(
@@ -166,8 +194,8 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             }
         )
     summary = {
-        "title": f"logging {steps} matmul norms (n={p.n}): .item() per step vs on-device log",
-        "columns": ["variant", "wall_ms", "us_step", "ratio", "reads_loop", "syncs_loop", "at_end"],
+        "title": f"logging {steps} matmul norms (n={p.n}): .item() per step vs on-device log (median of {p.repeats} trials)",
+        "columns": ["variant", "wall_ms", "wall_range", "us_step", "ratio", "reads_loop", "syncs_loop", "at_end", "note"],
         "rows": rows,
         "variants": {row["key"]: row for row in rows},
         "per_rank": per_rank,
@@ -178,6 +206,11 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
         "conclusions": _conclusions(rows, on_cuda, per_rank, steps),
     }
     return summary
+
+
+def _median_rank(walls: list[float | None]) -> float | None:
+    got = sorted(w for w in walls if w is not None)
+    return got[len(got) // 2] if got else None
 
 
 def _same(values: Any) -> Any:
@@ -192,10 +225,14 @@ def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, per_rank: list[dict[
     if not rows or rows[0]["wall_ms"] is None:
         return ["no rank finished: nothing to compare"]
     item, device, recorder = rows
-    out = [
-        f".item() every step took {item['wall_ms']:.1f} ms, the on-device log {device['wall_ms']:.1f} ms: "
-        f"{item['ratio']:.2f}x (median over {len(per_rank)} rank(s), {steps} steps)"
-    ]
+    measured = (f".item() every step took {item['wall_ms']:.1f} ms, the on-device log {device['wall_ms']:.1f} ms "
+                f"(medians of {item['trials']} trials over {len(per_rank)} rank(s), {steps} steps)")
+    doubts = [f"{r['variant']}: {r['note']}" for r in (item, device) if r["flags"]]
+    if doubts:
+        out = [f"{measured}: ratio {item['ratio']:.2f}x (range {item['ratio_min']:.2f}-{item['ratio_max']:.2f}) not "
+               f"conclusive ({'; '.join(doubts)}); rerun on a quieter machine or with more repeats"]
+    else:
+        out = [f"{measured}: {item['ratio']:.2f}x (range {item['ratio_min']:.2f}-{item['ratio_max']:.2f})"]
     if on_cuda:
         out.append(
             f"host synchronisations reported by torch.cuda.set_sync_debug_mode: {item['syncs_loop']} in the "
@@ -224,13 +261,14 @@ def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
     on_cuda = (result.get("summary") or {}).get("device_syncs_measured")
     labels = [PLOT_LABELS.get(r.get("key"), r["variant"]) for r in rows]
     colors = ["#d62728", "#2ca02c", "#1f77b4"]
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
-    bars = ax_t.bar(labels, [r["wall_ms"] for r in rows], color=colors)
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.6))
+    bars = ax_t.bar(labels, [r["wall_ms"] for r in rows], yerr=yerr(rows, "wall_ms"), capsize=6, color=colors)
     for bar, r in zip(bars, rows):
-        ax_t.annotate(f"{r['wall_ms']:.1f} ms\n{r['ratio']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                      ha="center", va="bottom", fontsize=9)
-    ax_t.set(ylabel="wall time (ms, median over ranks)", title="time to log every step")
-    ax_t.margins(y=0.25)
+        top = r.get("wall_ms_max") or r["wall_ms"]  # above the error bar, never over it
+        ax_t.annotate(f"{r['wall_ms']:.1f} ms\n{r['ratio']:.2f}x", (bar.get_x() + bar.get_width() / 2, top),
+                      xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=9)
+    ax_t.set(ylabel="wall time (ms): median, min-max of trials", title="time to log every step")
+    ax_t.set_ylim(0, max(r.get("wall_ms_max") or r["wall_ms"] for r in rows) * 1.3)
     key = "syncs_loop" if on_cuda else "reads_loop"
     counts = [_first(r[key]) or 0 for r in rows]
     bars = ax_s.bar(labels, counts, color=colors)
@@ -243,7 +281,8 @@ def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"{result['job']} on {devices_label(result)}")
-    return [save_figure(fig, run_dir, "sync_logging.png")]
+    notes = [f"{r['variant']}: {r['note']}" for r in rows if r.get("note")]
+    return [save_figure(fig, run_dir, "sync_logging.png", notes)]
 
 
 def _first(value: Any) -> Any:

@@ -11,6 +11,13 @@ they equal its own replica. ``params.resume`` continues from such a checkpoint u
 ``params.epochs`` in all: rank 0 reads it and every rank loads the same bytes (model, optimizer
 state, epoch). No shared filesystem is assumed: a rank on another host (SSH without shared
 storage, a Ray actor on another node) never opens a checkpoint path, which exists on rank 0's host.
+
+Throughput is measured per epoch (CUDA events on a GPU, read once at the end; the host clock on
+the CPU): the first epoch of a run is its warm-up (allocations, DDP's bucket set-up) and the
+epochs after it are the trials, reported as the median samples/s with their min-max. On the CPU
+every rank runs ``threads_per_rank`` torch threads (default 1) at every world size, so that the
+scaling efficiency compares like with like; an efficiency above 1.05 or a noisy figure is
+flagged and not stated as a result.
 """
 
 from __future__ import annotations
@@ -23,7 +30,30 @@ from typing import Annotated, Any, Mapping
 
 from pydantic import Field, StrictInt
 
-from launcher.workloads._common import Count, NonNegative, Positive, WorkloadParams, devices_label, med, rnd, save_figure
+from launcher.workloads._common import (
+    Count,
+    NonNegative,
+    Positive,
+    Stat,
+    ThreadsPerRank,
+    WorkloadParams,
+    busy_stages,
+    devices_label,
+    flags_for,
+    integer_ticks,
+    legend_below,
+    load_words,
+    machine_state,
+    pct,
+    rnd,
+    save_figure,
+    set_threads,
+    span,
+    stat,
+    threads_words,
+    values,
+    yerr,
+)
 
 class Params(WorkloadParams):
     n_train: Count = 32768  # generated samples: nothing is downloaded
@@ -32,8 +62,9 @@ class Params(WorkloadParams):
     classes: Annotated[StrictInt, Field(ge=2)] = 10
     hidden: Count = 512
     batch_size: Count = 256  # per rank
-    epochs: Count = 4  # in all, counting the epochs of a resumed checkpoint
+    epochs: Count = 4  # in all, counting the epochs of a resumed checkpoint; the first of a run is its warm-up
     lr: Positive = 0.002
+    threads_per_rank: ThreadsPerRank = None  # null: 1 on the CPU at every world size; "share": the launcher's share
     seed: NonNegative = 0
     checkpoint: str | None = None  # default: <stage dir>/checkpoint.pt, on rank 0's host
     resume: str | None = None  # a checkpoint to continue from, on rank 0's host
@@ -65,6 +96,8 @@ def run(ctx: Any) -> dict[str, Any]:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     p = Params.model_validate(ctx.params)
+    threads = set_threads(ctx, p.threads_per_rank)
+    machine_start = machine_state()
     dev, rec, cuda = ctx.device, ctx.metrics, ctx.device.type == "cuda"
     features, classes, seed = p.features, p.classes, p.seed
     torch.manual_seed(seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
@@ -129,7 +162,9 @@ def run(ctx: Any) -> dict[str, Any]:
         "resumed_from": resumed_from,
         "checkpoint": path,  # on rank 0's host
         "checkpoint_check": check,
-        "threads": ctx.threads,
+        **threads,
+        "machine_start": machine_start,
+        "machine_end": machine_state(),
     }
 
 
@@ -195,73 +230,132 @@ def _check_checkpoint(torch: Any, payload: bytes, model: Any, dev: Any) -> dict[
     }
 
 
+def _epoch_trials(ranks: list[dict[str, Any]]) -> tuple[Stat | None, Stat | None, list[Stat], float | None]:
+    """Samples/s in total per timed epoch (every rank's samples over the slowest rank's time: DDP
+    keeps them in step), its median rank's own samples/s, and the warm-up epoch's total."""
+    times = [r.get("metrics", {}).get("times_ms", {}).get("train/epoch") or [] for r in ranks]
+    samples = [(r.get("result") or {}).get("samples_per_epoch", 0) for r in ranks]
+    epochs = min((len(t) for t in times), default=0)
+    if not epochs or not all(samples):
+        return None, None, [], None
+    warm = 1 if epochs >= 2 else 0  # the run's first epoch pays for allocations and DDP's set-up
+    totals = [sum(samples) / (max(t[e] for t in times) / 1e3) for e in range(epochs)]
+    per_rank = [stat(n / (ms / 1e3) for ms in t[warm:] if ms > 0) for t, n in zip(times, samples)]
+    per_rank = [x for x in per_rank if x is not None]
+    medians = sorted(x.median for x in per_rank)
+    rank_med = stat([medians[len(medians) // 2]]) if medians else None
+    return stat(totals[warm:]), rank_med, per_rank, (totals[0] if warm else None)
+
+
 def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
-    """Samples/s per rank and in total per world size, the reduced loss/accuracy, the checkpoint checks."""
-    rows, curves = [], {}
+    """Samples/s per rank and in total per world size (median of the timed epochs, min-max), scaling
+    efficiency with its range and flags, the reduced loss/accuracy, the checkpoint checks."""
+    rows, curves, totals = [], {}, {}
+    threads, policy, cores, device = {}, set(), None, "?"
+    done = []
     for stage in stages:
-        ranks = [r for r in stage["ranks"] if r.get("status") == "ok"]
+        ranks = sorted((r for r in stage["ranks"] if r.get("status") == "ok"), key=lambda r: r["rank"])
         if stage["status"] != "succeeded" or not ranks:
             continue
+        done.append(stage)
         ws = stage["world_size"]
-        per_rank = []
-        for r in ranks:
-            res, m = r.get("result") or {}, r.get("metrics", {})
-            epoch_ms = med(m.get("times_ms", {}).get("train/epoch"))
-            per_rank.append(res.get("samples_per_epoch", 0) / (epoch_ms / 1e3) if epoch_ms else None)
-        res0 = next(r for r in ranks if r["rank"] == min(x["rank"] for x in ranks))
-        values = res0.get("metrics", {}).get("values", {})
+        total, rank_med, per_rank, first_sps = _epoch_trials(ranks)
+        totals[ws] = total
+        res0 = ranks[0]
+        values_ = res0.get("metrics", {}).get("values", {})
         result0 = res0.get("result") or {}
+        for r in ranks:
+            res = r.get("result") or {}
+            device = str(r.get("device", device)).split(":")[0]
+            threads.setdefault(ws, res.get("threads"))
+            if res.get("threads_policy"):
+                policy.add(res["threads_policy"])
+            cores = cores or (res.get("machine_start") or {}).get("cores")
         first = result0.get("first_epoch", 0)
         curves[ws] = {
-            "epochs": list(range(first + 1, first + 1 + len(values.get("train/loss", [])))),
-            "train_loss": [rnd(v) for v in values.get("train/loss", [])],
-            "train_acc": [rnd(v) for v in values.get("train/acc", [])],
+            "epochs": list(range(first + 1, first + 1 + len(values_.get("train/loss", [])))),
+            "train_loss": [rnd(v) for v in values_.get("train/loss", [])],
+            "train_acc": [rnd(v) for v in values_.get("train/acc", [])],
         }
         checks = [(r.get("result") or {}).get("checkpoint_check") or {} for r in ranks]
-        measured = [v for v in per_rank if v is not None]
         rows.append(
             {
                 "workers": ws,
                 "epochs": f"{first}->{first + result0.get('epochs_run', 0)}",
-                "rank_sps": rnd(med(measured), 1) if measured else None,
-                "total_sps": rnd(sum(measured), 1) if measured else None,
-                "rank_sps_by_rank": [rnd(v, 1) for v in per_rank],
-                "train_loss": rnd((values.get("train/loss") or [None])[-1]),
-                "train_acc": rnd((values.get("train/acc") or [None])[-1]),
-                "test_acc": rnd((values.get("test/acc") or [None])[-1]),
+                "timed_epochs": total.n if total else 0,
+                "rank_sps": rnd(rank_med and rank_med.median, 1),
+                "rank_sps_by_rank": [rnd(x.median, 1) for x in per_rank],
+                "total_sps": rnd(total and total.median, 1),
+                "total_sps_min": rnd(total and total.min, 1),
+                "total_sps_max": rnd(total and total.max, 1),
+                "total_sps_range": span(total.min, total.max) if total else None,
+                "rank_sps_min": rnd(min((x.min for x in per_rank), default=None), 1),
+                "rank_sps_max": rnd(max((x.max for x in per_rank), default=None), 1),
+                "warmup_epoch_sps": rnd(first_sps, 1),
+                "spread": rnd(total and total.spread, 3),
+                "train_loss": rnd((values_.get("train/loss") or [None])[-1]),
+                "train_acc": rnd((values_.get("train/acc") or [None])[-1]),
+                "test_acc": rnd((values_.get("test/acc") or [None])[-1]),
                 "ckpt_ok": all(c.get("all_on_device") and c.get("equals_replica") for c in checks),
                 "checkpoint": result0.get("checkpoint"),
                 "resumed_from": result0.get("resumed_from"),
                 "devices": sorted({r["device"] for r in ranks}),
+                "threads_per_worker": threads.get(ws),
             }
         )
     base = rows[0] if rows else None
+    base_total = totals.get(base["workers"]) if base else None
+    busy = busy_stages(done)
     for row in rows:
-        ok = base and base["total_sps"] and row["total_sps"]
-        row["efficiency"] = rnd(row["total_sps"] / (row["workers"] / base["workers"] * base["total_sps"]), 3) if ok else None
+        total = totals.get(row["workers"])
+        eff = lo = hi = None
+        if base and base_total and total:
+            scale = row["workers"] / base["workers"]
+            eff = total.median / (scale * base_total.median)
+            if row is not base:
+                lo, hi = total.min / (scale * base_total.max), total.max / (scale * base_total.min)
+        row["efficiency"], row["efficiency_min"], row["efficiency_max"] = rnd(eff, 3), rnd(lo, 3), rnd(hi, 3)
+        row["flags"], row["note"] = flags_for(row["spread"], eff if row is not base else None,
+                                              trials=row["timed_epochs"] or None, busy=busy.get(row["workers"]))
+    fair_words, fair = threads_words(threads, policy, cores, device)
+    load, busy = load_words(done)
     return {
-        "title": "DDP training: samples/s (sps) per rank and in total; metrics reduced at the end",
-        "columns": ["workers", "epochs", "rank_sps", "total_sps", "efficiency", "train_loss", "train_acc", "test_acc", "ckpt_ok"],
+        "title": "DDP training: samples/s (sps) per rank and in total (median of timed epochs); metrics reduced at the end",
+        "columns": ["workers", "rank_sps", "total_sps", "total_sps_range", "efficiency", "test_acc", "ckpt_ok", "note"],
         "rows": rows,
         "curves": {str(k): v for k, v in curves.items()},
         "checkpoints_ok": bool(rows) and all(r["ckpt_ok"] for r in rows),
-        "conclusions": _conclusions(rows),
+        "like_for_like": fair,
+        "threads_per_rank": {str(ws): t for ws, t in sorted(threads.items())},
+        "conclusions": _conclusions(rows, fair_words, fair, load, busy),
     }
 
 
-def _conclusions(rows: list[dict[str, Any]]) -> list[str]:
+def _conclusions(rows: list[dict[str, Any]], fair_words: str, fair: bool, load: str | None, busy: bool) -> list[str]:
     if not rows:
         return ["no stage finished: nothing to report"]
     out = []
     for row in rows:
         where = ", ".join(row["devices"])
-        rate = "-" if row["total_sps"] is None else f"{row['total_sps']:,.0f} samples/s in total ({row['rank_sps']:,.0f} per rank)"
+        rate = ("-" if row["total_sps"] is None else
+                f"{row['total_sps']:,.0f} samples/s in total (epochs {row['total_sps_range']}; {row['rank_sps']:,.0f} per rank)")
         out.append(f"{row['workers']} worker(s) on {where}: {rate}; epochs {row['epochs']}, test accuracy {row['test_acc']:.1%}")
-    last = rows[-1]
+    base, last = rows[0], rows[-1]
     if len(rows) > 1 and last["efficiency"] is not None:
-        out.append(f"{last['workers']} workers reach {last['efficiency']:.0%} of linear scaling in samples/s")
-    if any("cpu" in r["devices"] for r in rows):
-        out.append("CPU run: the workers share this machine's cores, so more workers need not mean more samples/s")
+        doubts = [*last["flags"], *(f"{base['workers']} worker(s) {f}" for f in base["flags"])]
+        if not fair:
+            doubts.append("not like for like")
+        eff = f"{pct(last['efficiency'])} (range {pct(last['efficiency_min'])}-{pct(last['efficiency_max'])})"
+        if doubts:
+            out.append(f"{last['workers']} workers: the measured {eff} of linear scaling in samples/s is not a result: "
+                       f"{', '.join(doubts)}; rerun on a quieter machine or with more epochs")
+        else:
+            out.append(f"{last['workers']} workers reach {eff} of linear scaling in samples/s")
+    if any(r["timed_epochs"] for r in rows):
+        out.append("the first epoch of each run is its warm-up: the samples/s are the median of the epochs after it")
+    out.append(fair_words)
+    if load:
+        out.append(load + (": the machine was busy, other work than this job's ranks competed for the cores" if busy else ""))
     resumed = [r for r in rows if r["resumed_from"]]
     if resumed:
         out.append(f"resumed from {resumed[0]['resumed_from']} at epoch {resumed[0]['epochs'].split('->')[0]}")
@@ -275,31 +369,51 @@ def _conclusions(rows: list[dict[str, Any]]) -> list[str]:
 
 def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     summary = result.get("summary") or {}
     rows, curves = summary.get("rows") or [], summary.get("curves") or {}
     if not rows:
         return []
-    fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
-    from matplotlib.ticker import MaxNLocator
-
+    fig, (ax_l, ax_a, ax_t) = plt.subplots(1, 3, figsize=(14, 4.8))
     for i, (ws, c) in enumerate(curves.items()):
         if c["epochs"]:
-            ax_l.plot(c["epochs"], c["train_loss"], marker="o", color=f"C{i}", label=f"{ws} worker(s): loss")
-            ax_l.plot(c["epochs"], c["train_acc"], marker="s", linestyle="--", color=f"C{i}", label=f"{ws} worker(s): accuracy")
-    ax_l.set(xlabel="epoch", ylabel="train loss / accuracy (all ranks)", title="training (reduced at the end)")
-    ax_l.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_l.legend(fontsize=8)
-    shown = [r for r in rows if r["total_sps"] is not None]
-    labels = [str(r["workers"]) for r in shown]
-    ax_t.bar(labels, [r["total_sps"] for r in shown], color="C0", label="total")
-    ax_t.bar(labels, [r["rank_sps"] for r in shown], color="C1", width=0.4, label="per rank (median)")
-    for i, r in enumerate(shown):
-        ax_t.annotate(f"{r['total_sps']:,.0f}", (i, r["total_sps"]), ha="center", va="bottom", fontsize=9)
-    ax_t.set(xlabel="workers", ylabel="samples/s", title="training throughput")
-    ax_t.margins(y=0.15)
-    ax_t.legend(fontsize=8)
-    for ax in (ax_l, ax_t):
+            ax_l.plot(c["epochs"], c["train_loss"], marker="o", color=f"C{i}", label=f"{ws} worker(s)")
+            ax_a.plot(c["epochs"], c["train_acc"], marker="s", color=f"C{i}", label=f"{ws} worker(s)")
+    ax_l.set(xlabel="epoch", ylabel="train loss (all ranks)", title="training loss (reduced at the end)")
+    ax_a.set(xlabel="epoch", ylabel="train accuracy (all ranks)", title="training accuracy", ylim=(0, 1))
+    for ax in (ax_l, ax_a):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # throughput: total and per rank side by side (never one bar over the other), min-max error bars
+    shown = [r for r in rows if r.get("total_sps") is not None]
+    xs = [r["workers"] for r in shown]
+    width = 0.35
+    ax_t.bar([x - width / 2 for x in xs], values(shown, "total_sps"), width, yerr=yerr(shown, "total_sps"), capsize=4,
+             color="C0", label="total (median, min-max)")
+    ax_t.bar([x + width / 2 for x in xs], values(shown, "rank_sps"), width, yerr=yerr(shown, "rank_sps"), capsize=4,
+             color="C1", label="per rank (median rank; min-max of all ranks)")
+    base = shown[0] if shown else None
+    ideal = [base["total_sps"] * x / base["workers"] for x in xs] if base and base["total_sps"] else []
+    if ideal:
+        ax_t.hlines(ideal, [x - width for x in xs], xs, colors="black", linestyles="--", linewidths=1.5, zorder=4,
+                    label="ideal linear total (N x one worker)")
+    for r in shown:
+        top = r.get("total_sps_max") or r["total_sps"]
+        ax_t.annotate(f"{r['total_sps']:,.0f}", (r["workers"] - width / 2, top), xytext=(0, 3), textcoords="offset points",
+                      ha="center", va="bottom", fontsize=8)
+    bad = [r for r in shown if r.get("flags")]
+    if bad:
+        ax_t.scatter([r["workers"] - width / 2 for r in bad], values(bad, "total_sps"), s=160, facecolors="none",
+                     edgecolors="red", linewidths=1.5, zorder=5, label="flagged (see note)")
+    tops = [r.get("total_sps_max") or r["total_sps"] for r in shown] + [r.get("rank_sps_max") or 0 for r in shown] + ideal
+    ax_t.set_ylim(0, max(tops, default=1) * 1.2)  # every bar, error bar and reference inside: nothing clipped
+    ax_t.set(xlabel="workers", ylabel="samples/s (timed epochs)", title="training throughput")
+    integer_ticks(ax_t, xs or [1])
+    for ax in (ax_l, ax_a, ax_t):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{result['job']} on {devices_label(result)}")
-    return [save_figure(fig, run_dir, "ddp_train.png")]
+        legend_below(ax, ncol=1 if ax is ax_t else 2)
+    fig.suptitle(f"{result['job']} on {devices_label(result)}; torch threads per rank by world size: "
+                 + (", ".join(f"{k}: {v}" for k, v in (summary.get("threads_per_rank") or {}).items()) or "?"))
+    notes = [f"{r['workers']} worker(s): {r['note']}" for r in rows if r.get("note")]
+    notes.append("the first epoch of each run is its warm-up and is not in the samples/s")
+    return [save_figure(fig, run_dir, "ddp_train.png", notes)]

@@ -12,6 +12,12 @@ Then, where there are two devices: a device->device copy between the first two G
 (``x.to("cuda:1")``), and a rank 0 <-> rank 1 ping-pong through the process group (NCCL between
 GPUs, gloo between CPU processes). Finally d2l's identity check: ``.to()`` of a tensor already on
 its device returns the very same tensor (``Z.cuda(1) is Z``); no copy is made.
+
+Every copy is measured like a benchmark: ``warmup`` untimed copies, then ``repeats`` trials, each
+one copy timed on its own: CUDA events for host<->device copies on a GPU, the host clock for the
+host memcpy (synchronous) and, with the devices drained, for the GPU<->GPU copy and the ping-pong
+(which involve two devices or two processes). The summary reports GB/s (10^9 bytes/s) as the
+median of the trials with their min-max, and flags noisy figures.
 """
 
 from __future__ import annotations
@@ -25,18 +31,25 @@ from launcher.workloads._common import (
     PositiveSizes,
     WorkloadParams,
     devices_label,
+    flags_for,
     host_barrier_group,
-    med,
+    legend_below,
+    machine_state,
     ok_ranks,
     rnd,
     save_figure,
+    span,
+    stat,
+    trial_loop,
+    values,
     wall_clock,
+    yerr,
 )
 
 
 class Params(WorkloadParams):
     sizes_mb: PositiveSizes = (1, 16, 128)  # MiB per copy
-    repeats: Count = 5  # timed copies per kind and size (median)
+    repeats: Count = 5  # timed trials (one copy each) per kind and size: median and min-max reported
     warmup: NonNegative = 1
 
 
@@ -64,16 +77,22 @@ def run(ctx: Any) -> dict[str, Any]:
     sizes, repeats, warmup = p.sizes_mb, p.repeats, p.warmup
     dev, rec = ctx.device, ctx.metrics
 
-    def measure(name: str, copy: Callable[[], Any]) -> None:
+    def measure(name: str, copy: Callable[[], Any], *, events: bool = True) -> None:
+        """Warm-up, then ``repeats`` trials of one copy each. ``events``: the recorder's timer (CUDA
+        events on a GPU, the host clock on the CPU); otherwise the host clock, devices drained."""
         for _ in range(warmup):
             copy()
-        for _ in range(repeats):
-            with wall_clock(dev) as ms:
-                copy()
-            rec.add_time_ms(name, ms())
+        for _ in trial_loop(dev, repeats, together=False):  # this rank alone: the others wait, asleep
+            if events:
+                with rec.timer(name):
+                    copy()
+            else:
+                with wall_clock(dev) as ms:
+                    copy()
+                rec.add_time_ms(name, ms())
         rec.step()
 
-    out: dict[str, Any] = {"measured": [], "identity": _identity_checks(torch, ctx)}
+    out: dict[str, Any] = {"measured": [], "identity": _identity_checks(torch, ctx), "machine_start": machine_state()}
     quiet = host_barrier_group(dist, ctx)  # waiting ranks sleep instead of spinning on a core
     for turn in range(ctx.world_size):  # one rank at a time on the host <-> device links
         if turn == ctx.rank:
@@ -83,28 +102,28 @@ def run(ctx: Any) -> dict[str, Any]:
                     pinned = host.pin_memory()
                     on_dev = host.to(dev)
                     pinned_out = torch.empty_like(host).pin_memory()
-                    measure(f"h2d/pageable/{mb:g}", lambda: host.to(dev))
-                    measure(f"h2d/pinned/{mb:g}", lambda: pinned.to(dev, non_blocking=True))
-                    measure(f"d2h/pageable/{mb:g}", lambda: on_dev.to("cpu"))
-                    measure(f"d2h/pinned/{mb:g}", lambda: pinned_out.copy_(on_dev, non_blocking=True))
+                    measure(f"h2d/pageable/{mb:g}", lambda host=host: host.to(dev))
+                    measure(f"h2d/pinned/{mb:g}", lambda pinned=pinned: pinned.to(dev, non_blocking=True))
+                    measure(f"d2h/pageable/{mb:g}", lambda on_dev=on_dev: on_dev.to("cpu"))
+                    measure(f"d2h/pinned/{mb:g}", lambda out_=pinned_out, on_dev=on_dev: out_.copy_(on_dev, non_blocking=True))
                     out["pinned_is_pinned"] = bool(pinned.is_pinned() and pinned_out.is_pinned())
                     out["measured"] += [f"{k}/{mb:g}" for k in GPU_KINDS]
                 else:
                     dst = torch.empty_like(host)
-                    measure(f"h2h/memcpy/{mb:g}", lambda: dst.copy_(host))
+                    measure(f"h2h/memcpy/{mb:g}", lambda dst=dst, host=host: dst.copy_(host))
                     out["measured"].append(f"h2h/memcpy/{mb:g}")
             if dev.type == "cuda" and ctx.local_rank == 0 and torch.cuda.device_count() >= 2:
                 out["peer_access"] = bool(torch.cuda.can_device_access_peer(0, 1))
                 for mb in sizes:
                     src = torch.randn(_numel(mb), device="cuda:0")
-                    measure(f"d2d/peer/{mb:g}", lambda: (src.to("cuda:1"), torch.cuda.synchronize("cuda:1")))
+                    measure(f"d2d/peer/{mb:g}", lambda src=src: (src.to("cuda:1"), torch.cuda.synchronize("cuda:1")), events=False)
                     out["measured"].append(f"d2d/peer/{mb:g}")
         dist.barrier(group=quiet)
     if ctx.world_size >= 2 and ctx.rank in (0, 1):
         for mb in sizes:
             buf = torch.randn(_numel(mb), device=dev)
             if ctx.rank == 0:
-                measure(f"pg/pingpong/{mb:g}", lambda: _ping(dist, buf))
+                measure(f"pg/pingpong/{mb:g}", lambda buf=buf: _ping(dist, buf), events=False)
                 out["measured"].append(f"pg/pingpong/{mb:g}")
             else:
                 for _ in range(warmup + repeats):
@@ -112,6 +131,7 @@ def run(ctx: Any) -> dict[str, Any]:
     if ctx.world_size >= 2:
         dist.barrier()
     out["pg_backend"] = ctx.pg_backend
+    out["machine_end"] = machine_state()
     return out
 
 
@@ -148,20 +168,35 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     for kind in kinds:
         for mb in sizes:
             name = f"{kind}/{mb:g}"
-            per_rank = [med(r["metrics"]["times_ms"].get(name)) for r in ranks if name in r["metrics"]["times_ms"]]
-            per_rank = [ms for ms in per_rank if ms]
-            if not per_rank:
+            timed = [r for r in ranks if r["metrics"]["times_ms"].get(name)]
+            if not timed:
                 continue
-            ms = med(per_rank)
             # a ping-pong moves the buffer twice: one way is half the round trip
-            one_way_ms = ms / 2 if kind == "pg/pingpong" else ms
+            half = 0.5 if kind == "pg/pingpong" else 1.0
+            gbytes = mb * 2**20 / 1e9
+            per_rank = [stat(ms * half for ms in r["metrics"]["times_ms"][name] if ms and ms > 0) for r in timed]
+            every = stat(ms * half for r in timed for ms in r["metrics"]["times_ms"][name] if ms and ms > 0)
+            if every is None:
+                continue
+            medians = sorted(x.median for x in per_rank if x is not None)
+            ms = medians[len(medians) // 2]  # the median rank's median
+            flags, note = flags_for(every.spread, trials=min(x.n for x in per_rank if x is not None))
             rows.append(
                 {
                     "copy": DESCRIPTIONS[kind],
                     "mib": mb,
-                    "ms": rnd(one_way_ms, 4),
-                    "gb_s": rnd(mb * 2**20 / 1e9 / (one_way_ms / 1e3), 3),
-                    "ranks": len(per_rank),
+                    "ms": rnd(ms, 4),
+                    "ms_min": rnd(every.min, 4),
+                    "ms_max": rnd(every.max, 4),
+                    "gb_s": rnd(gbytes / (ms / 1e3), 3),
+                    "gb_s_min": rnd(gbytes / (every.max / 1e3), 3),  # the slowest trial
+                    "gb_s_max": rnd(gbytes / (every.min / 1e3), 3),  # the fastest
+                    "gb_s_range": span(gbytes / (every.max / 1e3), gbytes / (every.min / 1e3)),
+                    "trials": every.n,
+                    "spread": rnd(every.spread, 3),
+                    "ranks": len(timed),
+                    "flags": flags,
+                    "note": note,
                     "kind": kind,
                 }
             )
@@ -175,8 +210,8 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     if not any(r["kind"] == "pg/pingpong" for r in rows):
         not_measured.append(DESCRIPTIONS["pg/pingpong"] + " (needs world size 2)")
     return {
-        "title": "copy bandwidth (median over ranks)",
-        "columns": ["copy", "mib", "ms", "gb_s", "ranks"],
+        "title": "copy bandwidth in GB/s (median of trials, min-max)",
+        "columns": ["copy", "mib", "ms", "gb_s", "gb_s_range", "ranks", "note"],
         "rows": rows,
         "on_gpu": on_cuda,
         "not_measured": not_measured,
@@ -190,7 +225,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
 
 
 def _pinned_ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    by = {(r["kind"], r["mib"]): r["gb_s"] for r in rows}
+    by = {(r["kind"], r["mib"]): r["gb_s"] for r in rows if r["gb_s"]}
     out = {}
     for direction in ("h2d", "d2h"):
         for (kind, mb), gbs in by.items():
@@ -204,7 +239,10 @@ def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, identity_ok: bool, n
     if not rows:
         return ["no rank finished: nothing to compare"]
     largest = max(r["mib"] for r in rows)
-    top = {r["kind"]: r for r in rows if r["mib"] == largest}
+    top = {r["kind"]: r for r in rows if r["mib"] == largest and not r["flags"]}
+    flagged = [f"{r['copy']} at {r['mib']:g} MiB ({r['note']})" for r in rows if r["flags"]]
+    if flagged:
+        out.append(f"flagged, not conclusive: {', '.join(flagged)}")
     if on_cuda:
         for d, words in (("h2d", "host->device"), ("d2h", "device->host")):
             pin, page = top.get(f"{d}/pinned"), top.get(f"{d}/pageable")
@@ -237,21 +275,34 @@ def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:
     rows = summary.get("rows") or []
     if not rows:
         return []
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(8.5, 5.6))
     styles = {"pinned": "-", "pageable": "--"}
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["mib"])
-        ax.plot([r["mib"] for r in mine], [r["gb_s"] for r in mine], marker="o",
-                linestyle=styles.get(kind.split("/")[1], "-"), label=DESCRIPTIONS.get(kind, kind))
-    xlabel = "copy size (MiB)"
-    if summary.get("not_measured"):
-        import textwrap
-
-        xlabel += "\n" + textwrap.fill("not measured: " + "; ".join(summary["not_measured"]), 100)
-    ax.set(xscale="log", xlabel=xlabel, ylabel="GB/s (median over ranks)", title="copy bandwidth")
+        ax.errorbar([r["mib"] for r in mine], values(mine, "gb_s"), yerr=yerr(mine, "gb_s"), marker="o", capsize=3,
+                    linestyle=styles.get(kind.split("/")[1], "-"), label=DESCRIPTIONS.get(kind, kind))
+    bad = [r for r in rows if r.get("flags")]
+    if bad:
+        ax.scatter([r["mib"] for r in bad], values(bad, "gb_s"), s=160, facecolors="none", edgecolors="red",
+                   linewidths=1.5, zorder=5, label="flagged (see note)")
+    ax.set(xscale="log", xlabel="copy size (MiB)", ylabel="GB/s (median of trials, min-max)", title="copy bandwidth")
+    sizes = sorted({r["mib"] for r in rows})
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([f"{m:g}" for m in sizes])
+    ax.xaxis.set_minor_formatter(_null())
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    legend_below(ax)
     ok = "yes" if summary.get("identity_ok") else "NO"
-    fig.suptitle(f"{result['job']} on {devices_label(result)}  ·  x.to(own device) is x: {ok}")
-    return [save_figure(fig, run_dir, "transfer.png")]
+    fig.suptitle(f"{result['job']} on {devices_label(result)}  \u00b7  x.to(own device) is x: {ok}")
+    notes = [f"{r['copy']}, {r['mib']:g} MiB: {r['note']}" for r in rows if r.get("note")]
+    if summary.get("not_measured"):
+        notes.append("not measured: " + "; ".join(summary["not_measured"]))
+    notes.append("GB/s = 10^9 bytes/s; error bars: min-max of the trials")
+    return [save_figure(fig, run_dir, "transfer.png", notes)]
+
+
+def _null() -> Any:
+    from matplotlib.ticker import NullFormatter
+
+    return NullFormatter()

@@ -91,6 +91,10 @@ def test_cpu_vs_gpu_measures_both_sides_on_every_gpu(tmp_path):
     for row in s["rows"]:
         assert row["cpu_us"] > 0 and row["gpu_us"] > 0 and row["speedup"] > 0
         assert len(row["gpu_us_by_rank"]) == _gpus()
+        # medians of trials with their range: CUDA events for the GPU, one timing per trial
+        assert row["gpu_us_min"] <= row["gpu_us"] <= row["gpu_us_max"] and row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
+    for r in run.result["ranks"]:
+        assert all(len(r["metrics"]["times_ms"][f"gpu/{n}"]) == 5 for n in (16, 256, 1024))  # params.trials' default
     assert_plots(run, "cpu_vs_gpu.png")
 
 
@@ -123,8 +127,15 @@ def test_ddp_train_on_gpus_reads_the_checkpoint_onto_each_device(tmp_path):
 
 def test_matmul_scaling_on_gpus_with_concurrency(tmp_path):
     workers = [1, 2] if _gpus() >= 2 else [1]
-    run = run_job(tmp_path, "matmul_scaling", f"scaling.workers={workers}", "params.sizes=[256,1024]", "params.iters=20")
+    run = run_job(tmp_path, "matmul_scaling", f"scaling.workers={workers}", "params.sizes=[256,1024]", "params.iters=20",
+                  "params.trials=3")
     _assert_on_gpus(run, "matmul_scaling")
+    for r in run.result["ranks"]:
+        assert len(r["metrics"]["times_ms"]["matmul/1024"]) == 3  # one CUDA-event timing per trial
+        assert r["result"]["threads_policy"] == "share"  # on a GPU the threads are left as the launcher set them
+    for row in run.summary["scaling"]:
+        assert row["trials"] == 3 and row["gflops_min"] <= row["gflops"] <= row["gflops_max"]
+    assert run.summary["like_for_like"] is True  # each rank on a GPU of its own
     concurrency = run.summary["concurrency"]
     if _gpus() >= 2:
         (row,) = concurrency

@@ -1,5 +1,6 @@
 """The d2l "GPUs" job suite, end to end: real `launch jobs/X.yaml` runs (torchrun, gloo, CPU) at
-world sizes 1 and 2 with tiny sizes. Assertions are on result.json and the plots, never on timings."""
+world sizes 1 and 2 with tiny sizes. Assertions are on result.json and the plots, never on timings:
+how many trials were timed, that every figure comes with its range and flags, never what it is."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ BOTH = "scaling.workers=[1,2]"
 @pytest.fixture(scope="module")
 def cpu_vs_gpu(runs_root):
     return run_job(runs_root, "cpu_vs_gpu", BOTH, "resources.cpu_workers=2", "params.sizes=[8,32]", "params.work_gflop=0.0001",
-                   "params.max_iters=20", "params.warmup=1")
+                   "params.max_iters=20", "params.warmup=1", "params.trials=3")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,17 @@ def ddp_train(runs_root):
 TINY_TRAIN = ["params.n_train=1024", "params.n_test=256", "params.hidden=32", "params.batch_size=128"]
 
 
+def assert_ranged(row: dict, key: str) -> None:
+    """A timed figure is a median with the min-max of its trials around it."""
+    assert row[f"{key}_min"] <= row[key] <= row[f"{key}_max"], (key, row)
+
+
+def assert_flagged_honestly(row: dict) -> None:
+    """Flags are a list of known words, and the table's note says them (or is None)."""
+    assert set(row["flags"]) <= {"noisy", "single-trial", "super-linear", "busy"}
+    assert (row["note"] is None) == (not row["flags"])
+
+
 def test_cpu_vs_gpu_reports_the_cpu_and_says_the_gpu_was_not_measured(cpu_vs_gpu):
     assert_succeeded(cpu_vs_gpu, "cpu_vs_gpu", [1, 2])
     s = cpu_vs_gpu.summary
@@ -46,12 +58,18 @@ def test_cpu_vs_gpu_reports_the_cpu_and_says_the_gpu_was_not_measured(cpu_vs_gpu
         assert 1 <= row["iters"] <= 20
         assert row["cpu_us"] > 0 and row["cpu_gflops"] > 0
         assert row["gpu_us"] is None and row["gpu_gflops"] is None and row["speedup"] is None  # never made up
+        assert row["gpu_us_min"] is None and row["gpu_us_range"] is None  # missing, not 0
+        assert row["trials"] == 3 * 2 and row["cpu_us_range"]  # 3 trials by local rank 0 of each of the 2 stages
+        assert_ranged(row, "cpu_us")
+        assert_flagged_honestly(row)
     assert s["gpu_measured"] is False and s["break_even_size"] is None
     assert any("GPU side not measured" in c for c in s["conclusions"])
     # the CPU is measured once per node (local rank 0), with the cores of the node
     for ws in (1, 2):
         measured = [r["rank"] for r in cpu_vs_gpu.ranks(ws) if r["result"]["cpu_measured"]]
         assert measured == [0]
+        (r0,) = [r for r in cpu_vs_gpu.ranks(ws) if r["rank"] == 0]
+        assert all(len(r0["metrics"]["times_ms"][f"cpu/{n}"]) == 3 for n in (8, 32))  # one timing per trial
     assert "GPU side not measured" in cpu_vs_gpu.stdout.replace("\n", " ")
     assert_plots(cpu_vs_gpu, "cpu_vs_gpu.png")
 
@@ -67,7 +85,10 @@ def test_sync_logging_counts_one_host_read_per_item_and_none_for_device_logs(syn
     assert s["device_syncs_measured"] is False
     for row in s["rows"]:
         assert row["wall_ms"] > 0 and row["us_step"] > 0
+        assert row["wall_ms_min"] <= row["wall_ms_max"] and row["trials"] == 2 * len(sync_logging.ranks())  # 2 repeats a rank
+        assert_flagged_honestly(row)
     assert v["device"]["ratio"] == 1.0 and v["item"]["ratio"] > 0
+    assert v["item"]["ratio_min"] <= v["item"]["ratio_max"]
     assert s["ratio_item_vs_device"] == v["item"]["ratio"]
     assert s["logs_agree"] is True  # the three logs hold the same 40 norms
     for r in sync_logging.ranks():
@@ -85,6 +106,10 @@ def test_transfer_measures_what_the_cpu_has_and_checks_identity(transfer):
     kinds = {(row["kind"], row["mib"]) for row in s["rows"]}
     assert kinds == {("h2h/memcpy", 0.25), ("h2h/memcpy", 1.0), ("pg/pingpong", 0.25), ("pg/pingpong", 1.0)}
     assert all(row["gb_s"] > 0 for row in s["rows"])
+    for row in s["rows"]:
+        assert_ranged(row, "gb_s")
+        assert_flagged_honestly(row)
+        assert row["trials"] == 2 * row["ranks"]  # repeats=2 per rank
     assert s["on_gpu"] is False and s["pg_backends"] == ["gloo"]
     assert any("host->device, pinned" in n for n in s["not_measured"])
     assert s["pinned_vs_pageable"] == {}
@@ -107,7 +132,12 @@ def test_ddp_train_trains_checkpoints_and_reads_back_on_every_rank(ddp_train):
         assert row["rank_sps"] > 0 and row["total_sps"] > 0
         assert len(row["rank_sps_by_rank"]) == row["workers"]
         assert 0 <= row["train_acc"] <= 1 and 0 <= row["test_acc"] <= 1 and row["train_loss"] > 0
-    assert s["checkpoints_ok"] is True
+        # 2 epochs: the first is the warm-up, the second the one timed epoch, flagged as such
+        assert row["timed_epochs"] == 1 and row["warmup_epoch_sps"] > 0 and "single-trial" in row["flags"]
+        assert_ranged(row, "total_sps")
+        assert row["threads_per_worker"] == 1  # the same threads per rank at every world size
+    assert s["checkpoints_ok"] is True and s["like_for_like"] is True
+    assert all("reach" not in c for c in s["conclusions"])  # one timed epoch: no scaling claimed
     for ws in (1, 2):
         ckpt = ddp_train.run_dir / f"world{ws}" / "checkpoint.pt"
         assert ckpt.is_file() and ckpt.stat().st_size > 0
@@ -153,19 +183,33 @@ def test_ddp_train_resume_from_a_missing_file_fails_with_its_path(tmp_path):
 
 def test_matmul_scaling_compares_concurrent_with_sequential(tmp_path):
     run = run_job(tmp_path, "matmul_scaling", "scaling.workers=[2]", "params.sizes=[32,64]", "params.iters=3",
-                  "params.warmup=1")
+                  "params.warmup=1", "params.trials=2")
     assert_succeeded(run, "matmul_scaling", [2])
     (row,) = run.summary["concurrency"]
-    assert (row["workers"], row["size"], row["iters"]) == (2, 64, 3)
-    assert row["devices"] == ["cpu", "cpu"] and row["threads_per_worker"] >= 1
+    assert (row["workers"], row["size"], row["iters"], row["trials"]) == (2, 64, 3, 2)
+    assert row["devices"] == ["cpu", "cpu"] and row["threads_per_worker"] == 1  # threads_per_rank's default
     assert row["sequential_ms"] > 0 and row["concurrent_ms"] > 0
+    assert_ranged(row, "sequential_ms")
+    assert_ranged(row, "concurrent_ms")
+    assert_flagged_honestly(row)
     assert row["speedup"] == pytest.approx(row["sequential_ms"] / row["concurrent_ms"], rel=0.02)  # ms are rounded
-    assert any("speedup (2x would be linear)" in c for c in run.summary["conclusions"])
+    assert row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
+    assert any(("speedup (range" in c and "2x would be linear" in c) or "not conclusive" in c for c in run.summary["conclusions"])
     assert any("cores, not GPUs" in c for c in run.summary["conclusions"])
     r0, r1 = sorted(run.ranks(), key=lambda r: r["rank"])
-    assert len(r0["metrics"]["times_ms"]["concurrent/sequential"]) == 1 and "concurrent/sequential" not in r1["metrics"]["times_ms"]
-    assert len(r0["metrics"]["times_ms"]["concurrent/parallel"]) == 1 == len(r1["metrics"]["times_ms"]["concurrent/parallel"])
-    assert r0["metrics"]["steps"] == 6  # the comparison adds no steps to the scaling loop's count
+    assert len(r0["metrics"]["times_ms"]["concurrent/sequential"]) == 2 and "concurrent/sequential" not in r1["metrics"]["times_ms"]
+    assert len(r0["metrics"]["times_ms"]["concurrent/parallel"]) == 2 == len(r1["metrics"]["times_ms"]["concurrent/parallel"])
+    for r in (r0, r1):
+        assert len(r["metrics"]["times_ms"]["matmul/64"]) == 2  # one timing per trial
+        assert r["metrics"]["steps"] == 12  # 3 iters x 2 trials x 2 sizes; the comparison adds no steps
+        assert r["result"]["threads"] == 1 and r["result"]["threads_policy"] == "fair"
+        assert r["result"]["machine_start"]["cores"] >= 1
+    for scaling_row in run.summary["scaling"]:
+        assert scaling_row["trials"] == 2
+        assert_ranged(scaling_row, "gflops")
+        assert_flagged_honestly(scaling_row)
+    assert run.summary["like_for_like"] is True
+    assert any(c.startswith("like for like: every rank ran 1 torch thread(s)") for c in run.summary["conclusions"])
     assert_plots(run, "scaling.png", "concurrency.png")
 
 
