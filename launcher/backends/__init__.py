@@ -11,6 +11,7 @@ from launcher.records import BackendName
 _REGISTRY: dict[BackendName, str] = {
     BackendName.TORCHRUN: "launcher.backends.torchrun:TorchrunBackend",
     BackendName.RAY: "launcher.backends.ray:RayBackend",
+    BackendName.SLURM: "launcher.backends.slurm:SlurmBackend",
 }
 
 

@@ -17,8 +17,12 @@ from launcher.procutil import stage_worker_pids
 from launcher.records import RankExit
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from launcher.control.events import RunEvents
     from launcher.control.logrouting import LogRouter
     from launcher.control.planning import NodeTarget, StagePlan
+    from launcher.results.store import RunResult
     from launcher.spec.model import LoadedJob
 
 
@@ -102,3 +106,23 @@ class Backend(ABC):
     def pool_nodes(cls, job: LoadedJob) -> list[NodeTarget]:
         """The backend's cluster as nodes to plan on; asked inside ``session``."""
         raise NotImplementedError(f"{cls.name} does not schedule onto a cluster of its own")
+
+    # --- a backend whose scheduler runs the whole launcher as one job (a Slurm batch job) --------
+
+    @classmethod
+    def submits_run(cls) -> bool:
+        """True when ``run_job`` should hand the whole run to this backend's scheduler (which
+        runs the launcher again, inside the job) instead of running the stages from here."""
+        return False
+
+    @classmethod
+    def submit_run(cls, job: LoadedJob, *, out: Path, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
+        """Submit the run, follow it to its end (or return once submitted, with ``detach``) and
+        return its result; the same exit codes and ``result.json`` as a run from here. ``stop``:
+        the caller's StopRequest (true once a stop is asked for), besides SIGINT and SIGTERM."""
+        raise NotImplementedError(f"{cls.name} runs its stages from here")
+
+    @classmethod
+    def plan_submission(cls, job: LoadedJob, *, out: Path) -> tuple[list[StagePlan], list[LaunchRequest], list[str]]:
+        """For ``--dry-run``: the plans, what would be submitted, and notes. Nothing is submitted."""
+        raise NotImplementedError(f"{cls.name} runs its stages from here")

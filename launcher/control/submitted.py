@@ -1,4 +1,5 @@
-"""The entrypoint of a run submitted to a cluster: ``python -m launcher.control.submitted ray SPEC``.
+"""The entrypoint of a run submitted to a cluster: ``python -m launcher.control.submitted ray SPEC``,
+or inside a Slurm batch job ``python -m launcher.control.submitted slurm RUN_DIR``.
 
 The launcher submits itself (a Ray job through the Jobs API): on the cluster this module runs the
 same ``run_job`` with the backend connected to that cluster, the ranks' output going to the job's
@@ -47,10 +48,28 @@ def inside_ray(spec: str) -> int:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def inside_slurm(run_dir: str) -> int:
+    """Run the launcher inside this Slurm batch job, into the run directory the submitting
+    launcher made on the shared filesystem (it follows the job's output and that directory)."""
+    from launcher.backends.slurm.events import SlurmJobEvents
+    from launcher.backends.slurm.script import SPEC_FILE
+    from launcher.spec.model import load_job
+
+    try:
+        job = load_job(Path(run_dir) / SPEC_FILE)
+        return run_job(job, backend="slurm", run_dir=run_dir, events=SlurmJobEvents(), metrics=False).exit_code
+    except LauncherError as exc:
+        for line in str(exc).splitlines() or ["failed"]:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
 def main(argv: Sequence[str]) -> int:
     if len(argv) == 2 and argv[0] == "ray":
         return inside_ray(argv[1])
-    print("usage: python -m launcher.control.submitted ray SPEC.yaml", file=sys.stderr)
+    if len(argv) == 2 and argv[0] == "slurm":
+        return inside_slurm(argv[1])
+    print("usage: python -m launcher.control.submitted ray SPEC.yaml | slurm RUN_DIR", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 

@@ -134,7 +134,7 @@ SlurmWord = Annotated[str, StringConstraints(pattern=SLURM_WORD, max_length=1024
 
 def _sbatch_option(line: str) -> str:
     if not re.fullmatch(r"--[A-Za-z][\w-]*(=\S.*)?", line) or any(c in line for c in "\r\n\0"):
-        raise ValueError(f"expected one long sbatch option, e.g. --mem=64G (got {line!r})")
+        raise ValueError("expected one long sbatch option, e.g. --mem=64G")
     option = line[2:].split("=", 1)[0]
     if option in _SBATCH_OWNED:
         field = _SBATCH_OWNED[option]
@@ -230,7 +230,10 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
     path = Path(path)
     sourced = _with_bases(load_yaml(path, what="job spec"), path, chain=(path.resolve(),))
     sourced = _apply_overrides(sourced, overrides)
-    spec = _validate(sourced)
+    try:
+        spec = _validate(sourced)
+    except SpecError as exc:  # the params' problems too, in the same round, every one by file and line
+        raise SpecError(sorted_problems([*exc.problems, *_entrypoint_problems(sourced, path.resolve().parent)])) from None
     loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent)
     resolved = check_references(loaded, sourced)
     return loaded if resolved is None else loaded.model_copy(update={"resolved_params": MappingProxyType(resolved)})
@@ -309,6 +312,38 @@ def _validate(sourced: SourcedData) -> JobSpec:
         raise SpecError(located_problems(exc, sourced, JobSpec, pattern_hints=PATTERN_HINTS)) from None
 
 
+def _entrypoint_problems(sourced: SourcedData, base_dir: Path) -> list[str]:
+    """The entrypoint's and the params' problems of a spec whose other fields failed validation:
+    checked from the raw values when they are usable, so one round shows every problem."""
+    data = sourced.data if isinstance(sourced.data, dict) else {}
+    entrypoint, params, env = data.get("entrypoint"), data.get("params", {}), data.get("env", {})
+    if not isinstance(entrypoint, str) or not ENTRYPOINT.match(entrypoint) or not isinstance(params, dict):
+        return []
+    pythonpath = env.get("PYTHONPATH", "") if isinstance(env, dict) and isinstance(env.get("PYTHONPATH", ""), str) else ""
+    try:
+        model = check_entrypoint(entrypoint, pythonpath, field_label(sourced.locate(("entrypoint",)), "entrypoint"), base_dir)
+        if model is not None:
+            model.model_validate(params)
+    except SpecError as exc:
+        return exc.problems
+    except ValidationError as exc:
+        return located_problems(exc, sourced, model, ("params",))
+    return []
+
+
+_LOCATED = re.compile(r"^(?P<file>.+?):(?P<line>\d+): ")
+
+
+def sorted_problems(problems: list[str]) -> list[str]:
+    """By file, then line; problems without a location (``--set ...``) first, as given."""
+
+    def key(problem: str) -> tuple[int, str, int]:
+        found = _LOCATED.match(problem)
+        return (1, found["file"], int(found["line"])) if found else (0, "", 0)
+
+    return sorted(dict.fromkeys(problems), key=key)
+
+
 def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> dict[str, Any] | None:
     """The entrypoint's module and the script must exist before anything is spawned, and the
     params must fit the entrypoint's ``Params`` model when it declares one. Returns the params
@@ -322,7 +357,7 @@ def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> d
             raise SpecError([f"{field_label(at.locate(('script',)), 'script')}: no such file {script}"])
     if spec.entrypoint is not None:
         label = field_label(at.locate(("entrypoint",)), "entrypoint")
-        model = check_entrypoint(spec.entrypoint, spec.env.get("PYTHONPATH", ""), label)
+        model = check_entrypoint(spec.entrypoint, spec.env.get("PYTHONPATH", ""), label, loaded.base_dir)
         if model is not None:
             try:
                 # by alias and round-trip: what is stored must validate again, in the ranks and in summarize

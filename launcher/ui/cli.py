@@ -23,10 +23,10 @@ class _Parser(argparse.ArgumentParser):
 def _run_parser() -> _Parser:
     p = _Parser(
         prog="launch",
-        description="Run a YAML job spec on every GPU of one or more nodes (torchrun or Ray).",
+        description="Run a YAML job spec on every GPU of one or more nodes (torchrun, Ray or Slurm).",
         epilog=(
             "other commands: launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR | "
-            "launch status|logs|stop JOB_ID --address URL"
+            "launch status|logs|stop JOB_ID [--address URL] (a Ray job, or a numeric Slurm job id)"
         ),
     )
     p.add_argument("job", help="the job spec, e.g. jobs/matmul_scaling.yaml")
@@ -39,6 +39,7 @@ def _run_parser() -> _Parser:
     p.add_argument("--quiet", action="store_true", help="no rank output on the console (logs still written)")
     p.add_argument("--json", action="store_true", help="print result.json (or the dry-run plan) as JSON on stdout")
     p.add_argument("--no-metrics", action="store_true", help="serve no Prometheus /metrics endpoint while the run is live")
+    p.add_argument("--detach", action="store_true", help="submit and return (slurm): print the job id and the run directory")
     return p
 
 
@@ -56,10 +57,16 @@ def cmd_run(argv: Sequence[str]) -> int:
 
     # with --json, stdout carries the JSON alone: the human summary goes to stderr
     ui = RunUI(Console(stderr=True), quiet=True) if args.json else RunUI(quiet=args.quiet)
-    result = run_job(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, events=ui, metrics=not args.no_metrics)
+    result = run_job(
+        job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, events=ui, metrics=not args.no_metrics, detach=args.detach
+    )
+    if args.detach and not args.json:  # submitted: what to follow it with
+        job_id, run_dir = result.data["job_id"], result.data["run_dir"]
+        print(f"Slurm job {job_id}: launch status {job_id} | launch logs {job_id} -f | launch stop {job_id}; once it ended: launch report {run_dir}")
+        return EXIT_OK
     if args.json:
         print(json.dumps(result.data, indent=2, default=str))
-    return result.exit_code
+    return EXIT_OK if args.detach else result.exit_code
 
 
 def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
@@ -140,7 +147,7 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 def _ray_command(name: str) -> Callable[[Sequence[str]], int]:
     def command(argv: Sequence[str]) -> int:
-        p = _Parser(prog=f"launch {name}", description=f"{name} a job submitted to a Ray cluster (Ray Jobs API)")
+        p = _Parser(prog=f"launch {name}", description=f"{name} a job submitted to a Ray cluster (Ray Jobs API) or to Slurm (a numeric job id)")
         p.add_argument("job_id")
         p.add_argument("--address", help="the Ray dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS)")
         if name == "logs":
@@ -148,16 +155,19 @@ def _ray_command(name: str) -> Callable[[Sequence[str]], int]:
         if name == "status":
             p.add_argument("--json", action="store_true")
         args = p.parse_args(list(argv))
-        from launcher.backends import ray_jobs
+        if args.address is None and args.job_id.isdigit():  # a Slurm job id: the same commands
+            from launcher.backends import slurm as jobs
+        else:
+            from launcher.backends import ray_jobs as jobs
 
         if name == "status":
-            return _print_job_status(ray_jobs.job_info(args.job_id, args.address), as_json=args.json)
+            return _print_job_status(jobs.job_info(args.job_id, args.address), as_json=args.json)
         if name == "logs":
-            ray_jobs.job_logs(args.job_id, args.address, follow=args.follow, echo=_print_line)
+            jobs.job_logs(args.job_id, args.address, follow=args.follow, echo=_print_line)
             return EXIT_OK
-        status = ray_jobs.stop_job(args.job_id, args.address)
+        status = jobs.stop_job(args.job_id, args.address)
         print(f"{args.job_id}: {status}")
-        return EXIT_OK if status in ray_jobs.TERMINAL else EXIT_JOB_FAILED
+        return EXIT_OK if status in jobs.TERMINAL else EXIT_JOB_FAILED
 
     return command
 

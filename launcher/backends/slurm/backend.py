@@ -1,0 +1,260 @@
+"""The Slurm backend: the torchrun backend with an ``srun`` step per node, inside a batch job.
+
+From the user's ``launch`` (``submits_run``), the run is handed to Slurm as one batch job
+(``launcher.backends.slurm.submit``). Inside that job the same ``run_job`` runs with this backend:
+the nodes are the allocation's, planned as usual, and each node's torchrun agent is started by
+``SrunTransport`` as a one-task step on that node. Everything else (agent argv, log routing, rank
+failures, restarts, teardown) is the torchrun backend's, unchanged. Slurm adds one failure of its
+own: a node lost mid-run, named in its ranks' reports (``collect``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from launcher.backends.base import BackendStatus, LaunchRequest
+from launcher.backends.slurm import commands
+from launcher.backends.slurm.script import ENV_INSIDE, srun_argv
+from launcher.backends.torchrun import TorchrunBackend, agent_argv
+from launcher.backends.transports import Transport
+from launcher.control.planning import NodeTarget
+from launcher.errors import BackendError, PlanError
+from launcher.procutil import read_json, write_json_atomic
+from launcher.protocol import ENV_PARENT_PID, RankProgress, RankReport
+from launcher.runtime.devices import NodeInventory, discover
+
+if TYPE_CHECKING:
+    from launcher.control.events import RunEvents
+    from launcher.control.logrouting import LogRouter
+    from launcher.control.planning import NodeSlot, StagePlan
+    from launcher.results.store import RunResult
+    from launcher.spec.model import LoadedJob
+
+SRUN_STOP_S = 2.0  # after SIGTERM, how long an srun may take to cancel its step before SIGKILL
+PROBE_S = 2.0  # how long a node's slurmd may take to accept a connection before it counts as lost
+REPORT_GRACE_S = 3.0  # a step that ended 0 has this long for its ranks' reports to appear (NFS)
+# A node whose ranks' beacons (rewritten twice a second) have not changed for this long is probed;
+# its slurmd's answer decides (a busy filesystem delays beacons, it does not lose a node).
+SILENT_S = 4.0
+CHECK_EVERY_S = 1.0
+
+
+class SrunTransport(Transport):
+    """A node of the allocation: its agent is ``srun --nodes=1 --nodelist=NODE ... agent``. The
+    run directory is on the cluster's shared filesystem: nothing to copy either way."""
+
+    def describe(self, node: NodeSlot, plan: StagePlan, agent_argv: Sequence[str]) -> str:
+        return shlex.join(srun_argv(node, plan.job, agent_argv))
+
+    def prepare(self, plan: StagePlan, nodes: Sequence[NodeSlot]) -> None:
+        """Nothing: every node reads ``worker.json`` where the run loop wrote it."""
+
+    def spawn(self, node: NodeSlot, plan: StagePlan, agent_argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
+        step_env = {**os.environ, **env}  # srun --export=ALL hands it to the agent: no secret on a command line
+        step_env.pop(ENV_PARENT_PID, None)  # the agent's parent is its node's slurmstepd
+        return subprocess.Popen(
+            srun_argv(node, plan.job, agent_argv),
+            env=step_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C and scancel reach the launcher, which decides teardown
+        )
+
+    def stop(self, procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+        """SIGTERM makes each srun cancel its step (Slurm kills the agent and its ranks). An srun
+        whose node is lost waits for an answer that never comes: SIGKILL it after SRUN_STOP_S."""
+        for proc in procs:
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + min(grace_s, SRUN_STOP_S)
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+SRUN = SrunTransport()
+
+
+class SlurmBackend(TorchrunBackend):
+    name = "slurm"
+
+    def __init__(self, plan: StagePlan, logs: LogRouter) -> None:
+        super().__init__(plan, logs)
+        self._started_at = time.time()
+        self._ended_without_reports: dict[str, float] = {}
+        self._beacons: dict[int, tuple[float | None, float]] = {}  # rank -> (its beacon's t, when that was new)
+        self._next_check = 0.0
+        self._lost: dict[str, str] = {}  # host -> why
+
+    # --- outside the job: the launcher submits itself --------------------------------------------
+
+    @classmethod
+    def submits_run(cls) -> bool:
+        return os.environ.get(ENV_INSIDE) != "1"
+
+    @classmethod
+    def submit_run(cls, job: LoadedJob, *, out: Path, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
+        from launcher.backends.slurm.submit import submit_run
+
+        return submit_run(job, out=out, events=events, stop=stop, detach=detach)
+
+    @classmethod
+    def plan_submission(cls, job: LoadedJob, *, out: Path) -> tuple[list[StagePlan], list[LaunchRequest], list[str]]:
+        from launcher.backends.slurm.submit import plan_submission
+
+        return plan_submission(job, out=out)
+
+    @classmethod
+    def check_job(cls, job: Any, cluster: str | None) -> None:
+        if cluster or job.spec.cluster:
+            where = "--cluster" if cluster else f"{job.path}: cluster"
+            raise PlanError(f"{where}: a cluster file is for the torchrun backend over SSH; on Slurm the nodes are the job's allocation")
+
+    # --- inside the job: the allocation's nodes, one srun step each ------------------------------
+
+    @classmethod
+    def schedules_onto_cluster(cls) -> bool:
+        return True
+
+    @classmethod
+    def pool_nodes(cls, job: LoadedJob) -> list[NodeTarget]:
+        return allocation_nodes(job)
+
+    @staticmethod
+    def launch_request(plan: StagePlan) -> LaunchRequest:
+        commands_ = tuple(f"[{node.host}] $ {SRUN.describe(node, plan, agent_argv(plan, node))}" for node in plan.nodes)
+        return LaunchRequest("slurm", commands_, ("inside the job, one srun step per node runs its torchrun agent",))
+
+    def _transports(self) -> dict[Transport, list[NodeSlot]]:
+        return {SRUN: list(self.plan.nodes)}
+
+    def poll(self) -> BackendStatus:
+        """The torchrun backend's, and Slurm's own: a lost node (its ranks silent and its slurmd
+        gone, found here within seconds; Slurm itself takes SlurmdTimeout), and a step that ended
+        with 0 but without its ranks' reports (srun ends so after "Node failure on NODE")."""
+        status = super().poll()
+        if status.done and not status.ok:
+            return status
+        if time.monotonic() >= self._next_check:
+            self._next_check = time.monotonic() + CHECK_EVERY_S
+            lost = self._check_silent_nodes()
+            if lost:
+                return BackendStatus(done=True, ok=False, detail="; ".join(f"lost node {h} ({why})" for h, why in lost.items()))
+        for node, _, proc in self._agents:
+            if proc.poll() != 0 or not self._unreported(node):
+                continue
+            first = self._ended_without_reports.setdefault(node.host, time.monotonic())
+            if time.monotonic() - first > REPORT_GRACE_S:
+                return BackendStatus(done=True, ok=False, detail=f"the srun step on {node.host} ended without its ranks' reports")
+        return status
+
+    def _check_silent_nodes(self) -> dict[str, str]:
+        """Probe the running nodes whose every rank's beacon has stood still for SILENT_S (and
+        once they all had one); those whose slurmd is gone are lost."""
+        now, silent = time.monotonic(), []
+        for node, _, proc in self._agents:
+            if proc.poll() is not None or node.host in self._lost:
+                continue
+            quiet = True
+            for slot in (r for r in self.plan.ranks if r.node_rank == node.node_rank):
+                t = RankProgress.from_dict(read_json(self.plan.paths.progress(slot.rank))).t
+                last_t, since = self._beacons.get(slot.rank, (None, now))
+                if t != last_t:
+                    self._beacons[slot.rank] = (t, now)
+                    since = now
+                quiet = quiet and t is not None and now - since > SILENT_S
+            if quiet:
+                silent.append(node)
+        if not silent:
+            return {}
+        for node in silent:  # probed once per silence: a slurmd that answered is not asked again soon
+            for slot in (r for r in self.plan.ranks if r.node_rank == node.node_rank):
+                self._beacons[slot.rank] = (self._beacons[slot.rank][0], now)
+        lost = lost_nodes(silent)
+        self._lost.update(lost)
+        return lost
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for node, _, proc in self._agents:  # the srun of a lost node would wait for an answer in vain
+            if node.host in self._lost and proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        super().stop(grace_s)
+
+    def _unreported(self, node: NodeSlot) -> list[int]:
+        return [r.rank for r in self.plan.ranks if r.node_rank == node.node_rank and not self.plan.paths.report(r.rank).exists()]
+
+    def collect(self) -> None:
+        """A node whose ranks left no report and whose slurmd is gone was lost: each such rank
+        gets a report saying so, stamped when the node was last heard of (its ranks' beacons), so
+        the failure's root cause names the node and not a peer that lost its connection to it."""
+        silent = {node.host: (node, self._unreported(node)) for node in self.plan.nodes}
+        silent = {host: entry for host, entry in silent.items() if entry[1]}
+        if not silent:
+            return
+        known = {h: why for h, why in self._lost.items() if h in silent}
+        unknown = [node for host, (node, _) in silent.items() if host not in known]
+        for host, reason in {**known, **lost_nodes(unknown)}.items():
+            ranks = silent[host][1]
+            last = [RankProgress.from_dict(read_json(self.plan.paths.progress(r))).t for r in ranks]
+            seen = max((t for t in last if t is not None), default=self._started_at)
+            for slot in (r for r in self.plan.ranks if r.rank in ranks):
+                report = RankReport.failed(
+                    error_type="NodeLost", message=f"lost node {host} ({reason})", at=seen,
+                    rank=slot.rank, local_rank=slot.local_rank, node_rank=slot.node_rank,
+                    world_size=self.plan.world_size, host=slot.host, device=slot.device,
+                )  # fmt: skip
+                write_json_atomic(self.plan.paths.report(slot.rank), report.to_dict())
+            self.logs.route(f"gpulaunch: lost node {host} ({reason})", host)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def lost_nodes(nodes: Sequence[NodeSlot]) -> dict[str, str]:
+    """host -> why, for the nodes that are gone."""
+    return commands.probe_nodes([n.host for n in nodes], {n.host: n.target.address for n in nodes}, timeout_s=PROBE_S)
+
+
+def allocation_nodes(job: LoadedJob) -> list[NodeTarget]:
+    """The job's nodes, batch host (where this launcher runs) first: names from Slurm, each one's
+    CPUs from the allocation, GPUs as the batch host sees its own (Slurm grants each node the same
+    ``--gpus-per-node``), addresses from ``scontrol show node``."""
+    env = os.environ
+    nodelist = env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise BackendError("the slurm backend runs its stages inside a Slurm job (no SLURM_JOB_NODELIST here)")
+    names = commands.hostnames(nodelist)
+    cpus = dict(zip(names, commands.parse_cpus_per_node(env.get("SLURM_JOB_CPUS_PER_NODE", ""))))
+    here = env.get("SLURMD_NODENAME")
+    if here in names:
+        names = [here, *(n for n in names if n != here)]
+    records = commands.node_records(names)
+    granted = commands.gpus_per_node_env(env.get("SLURM_GPUS_PER_NODE")) or len([g for g in env.get("SLURM_JOB_GPUS", "").split(",") if g])
+    seen = discover(visible_override=job.spec.env.get("CUDA_VISIBLE_DEVICES")) if granted else None
+    gpus = seen.gpus[:granted] if seen else ()
+    notes = (*(seen.notes if seen else ()), f"Slurm allocation: {granted} GPU(s) per node")
+    fallback = int(env.get("SLURM_CPUS_ON_NODE", "1") or 1)
+    return [
+        NodeTarget(
+            name=name,
+            address=records.get(name, {}).get("NodeAddr") or name,
+            inventory=NodeInventory(name, cpus.get(name, fallback), gpus, "slurm allocation", env.get("CUDA_VISIBLE_DEVICES"), notes),
+            python=sys.executable,
+        )
+        for name in names
+    ]

@@ -1,0 +1,101 @@
+"""``launch status|logs|stop JOB_ID`` for a Slurm job id (the Ray Jobs API's commands, for Slurm).
+
+The job's state comes from ``squeue`` (any state slurmctld still remembers), then ``sacct`` where
+the cluster keeps accounting; its run directory from ``scontrol show job`` (its output file is
+there). A gpulaunch job that has ended without a ``result.json`` (its batch host was lost, it was
+cancelled before it ran) gets one written here, so ``launch report RUN_DIR`` renders it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from launcher.backends.slurm import commands
+from launcher.backends.slurm.events import readable
+from launcher.backends.slurm.script import RECORD_FILE
+from launcher.backends.slurm.outcome import settle
+from launcher.backends.slurm.submit import OutputTail, cancel_and_wait
+from launcher.errors import EXIT_BAD_INPUT, LauncherError
+
+TERMINAL = commands.TERMINAL
+
+
+@dataclass(frozen=True)
+class SlurmJobInfo:
+    """What ``launch status`` prints: the same fields as a Ray job's."""
+
+    job_id: str
+    status: str
+    message: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    entrypoint: str = ""
+
+
+def _locate(job_id: str) -> tuple[commands.JobState, dict[str, str], Path | None]:
+    if not job_id.isdigit():
+        raise LauncherError(f"{job_id!r}: a Slurm job id is a number", exit_code=EXIT_BAD_INPUT)
+    record = commands.job_record(job_id) or {}
+    state = commands.state_of(job_id)
+    if state is None:
+        raise LauncherError(
+            f"no Slurm job {job_id}: slurmctld does not know it (it forgets a job MinJobAge after it ends) and "
+            "there is no accounting to ask; its run directory has its result (launch report RUN_DIR)",
+            exit_code=EXIT_BAD_INPUT,
+        )
+    out = record.get("StdOut", "")
+    run_dir = Path(out).parent if out and (Path(out).parent / RECORD_FILE).is_file() else None
+    return state, record, run_dir
+
+
+def job_info(job_id: str, address: str | None = None) -> SlurmJobInfo:
+    state, record, run_dir = _locate(job_id)
+    if state.state in ("PENDING", "CONFIGURING"):
+        message = f"waiting: {state.reason}"
+    elif not state.terminal:
+        message = f"on {state.nodes}"
+    else:
+        message = f"exit code {state.exit_code or '?'}"
+    metadata = {"job_name": record.get("JobName", ""), "partition": record.get("Partition", ""), "nodes": state.nodes}
+    if run_dir is not None:
+        metadata["run_dir"] = str(run_dir)
+        if state.terminal:
+            data = settle(run_dir, job_id, state)
+            metadata["result"] = str(data.get("status"))
+            message += f"; run {data.get('status')}" + (f": {data['failure']['summary']}" if data.get("failure") else "")
+    return SlurmJobInfo(job_id, state.state, message, {k: v for k, v in metadata.items() if v}, record.get("Command", ""))
+
+
+def job_logs(job_id: str, address: str | None = None, *, follow: bool, echo: Callable[[str, str], None]) -> None:
+    """The job's output as the run showed it (``host:rank text``, the launcher's lines)."""
+    state, record, _ = _locate(job_id)
+    out = record.get("StdOut")
+    if not out:
+        raise LauncherError(f"Slurm job {job_id}: slurmctld does not say where its output is", exit_code=EXIT_BAD_INPUT)
+    tail = OutputTail(Path(out))
+    while True:
+        for line in tail.lines():
+            shown = readable(line)
+            if shown is not None:
+                echo(*shown)
+        if not follow or state is None or state.terminal:
+            break
+        time.sleep(0.5)
+        state = commands.squeue_state(job_id)
+    for line in tail.lines(final=True):
+        shown = readable(line)
+        if shown is not None:
+            echo(*shown)
+
+
+def stop_job(job_id: str, address: str | None = None) -> str:
+    """Cancel the job, wait until every step of it is gone; its final state."""
+    state, _, run_dir = _locate(job_id)
+    if not state.terminal:
+        state = cancel_and_wait(job_id) or state
+        state = commands.state_of(job_id) or state
+    if run_dir is not None and state.terminal:
+        settle(run_dir, job_id, state, interrupted=f"launch stop {job_id}")
+    return state.state

@@ -1,0 +1,157 @@
+"""The Slurm backend's pure parts, without a cluster: parsing Slurm's output, the allocation a spec
+asks for (and the refusal of one no partition can hold), the sbatch script, the ``slurm:`` section's
+checks, and the lines the launcher inside a job writes for the one outside."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from launcher.backends.slurm import commands
+from launcher.backends.slurm.commands import Partition, SlurmNode
+from launcher.backends.slurm.events import SlurmJobEvents, parse, readable, replay
+from launcher.backends.slurm.script import allocation_for, sbatch_script
+from launcher.backends.slurm.outcome import explain_end
+from launcher.control.events import RunEvents
+from launcher.errors import PlanError, SpecError
+from launcher.records import FailureReason
+from launcher.spec.model import load_job
+
+
+def job(tmp_path: Path, extra: str = "", resources: str = "{nodes: 2, cpu_workers: 2}"):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "name: tiny\nentrypoint: launcher.workloads.matmul:run\nbackend: slurm\n"
+        f"resources: {resources}\ntimeouts: {{rendezvous_s: 60, run_s: 600}}\n" + textwrap.dedent(extra)
+    )
+    return load_job(path)
+
+
+DEBUG = Partition("debug", (SlurmNode("n1", 8, 0, "idle"), SlurmNode("n2", 8, 0, "idle")))
+GPU = Partition("gpu", (SlurmNode("g1", 32, 4, "idle"), SlurmNode("g2", 32, 4, "mixed"), SlurmNode("g3", 16, 2, "idle")))
+
+
+def test_slurm_output_is_parsed():
+    sinfo = "n1|2|(null)|idle|debug*\nn2|2|gpu:a100:4(S:0-1),shard:8|mixed|debug*\ng1|64|gpu:8|idle|gpu\n"
+    parts = commands.parse_sinfo(sinfo)
+    assert [(n.name, n.cpus, n.gpus) for n in parts["debug*"]] == [("n1", 2, 0), ("n2", 2, 4)]
+    assert commands.gpu_count("gpu:2,gpu:v100:1") == 3 and commands.gpu_count("(null)") == 0
+    assert commands.parse_cpus_per_node("2(x3),4") == [2, 2, 2, 4]
+    assert commands.gpus_per_node_env("a100:2") == 2 and commands.gpus_per_node_env(None) == 0
+    assert [commands.time_limit(s) for s in (1, 60, 3661, 86_400 + 120)] == ["0:01:00", "0:01:00", "1:02:00", "1-0:02:00"]
+    record = commands.parse_key_values("NodeName=n2 Arch=x86_64 State=DOWN+NOT_RESPONDING Reason=Not responding [slurm@2026] NodeAddr=10.0.0.3")
+    assert record["Reason"] == "Not responding [slurm@2026]" and record["NodeAddr"] == "10.0.0.3"
+
+
+def test_the_allocation_one_task_per_node_sized_for_the_largest_stage(tmp_path):
+    alloc = allocation_for(job(tmp_path, "scaling: {workers: [2, 4]}\n"), DEBUG)
+    assert (alloc.nodes, alloc.gpus_per_node, alloc.cpus_per_task, alloc.time) == (2, 0, 2, "0:23:00")  # 2 x (60 + 600) + 60 s
+    gpus = allocation_for(job(tmp_path, "slurm: {partition: gpu, cpus_per_task: 16, time: '2:00:00'}\n"), GPU)
+    assert (gpus.gpus_per_node, gpus.cpus_per_task, gpus.time) == (2, 16, "2:00:00")  # auto: the fewest any node has
+    cpu = allocation_for(job(tmp_path, resources="{nodes: 2, device: cpu, cpu_workers: auto}"), GPU)
+    assert (cpu.gpus_per_node, cpu.cpus_per_task) == (0, 16)
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ("{nodes: 3, cpu_workers: 2}", "resources.nodes: 3 node(s) requested, but partition debug has 2 nodes with 8 CPUs and no GPUs"),
+        ("{nodes: 2, gpus_per_node: 1}", "resources.gpus_per_node: 1 GPU(s) per node on 2 node(s) requested, but partition debug has"),
+        ("{nodes: 2, device: cuda}", "resources.device: 'cuda' requested but partition debug has 2 nodes with 8 CPUs and no GPUs"),
+        ("{nodes: 2, cpu_workers: 9}", "resources.cpu_workers (one CPU per rank): 9 CPU(s) per node on 2 node(s) requested"),
+    ],
+)
+def test_a_request_the_partition_can_never_hold_is_refused(tmp_path, resources, message):
+    with pytest.raises(PlanError) as info:
+        allocation_for(job(tmp_path, resources=resources), DEBUG)
+    assert message in str(info.value) and str(info.value).endswith("nothing was submitted")
+
+
+def test_the_gpu_partition_says_what_it_has(tmp_path):
+    with pytest.raises(PlanError) as info:
+        allocation_for(job(tmp_path, resources="{nodes: 3, gpus_per_node: 4}"), GPU)
+    assert "partition gpu has 2 nodes with 32 CPUs and 4 GPUs, 1 node with 16 CPUs and 2 GPUs" in str(info.value)
+
+
+def test_the_sbatch_script(tmp_path):
+    loaded = job(tmp_path, "slurm: {partition: gpu, account: proj, qos: high, constraint: a100&ib, extra_sbatch: [--mem=64G, --exclusive]}\n")
+    alloc = allocation_for(loaded, GPU)
+    script = sbatch_script(loaded, alloc, Path("/shared/runs/tiny/r1"), python="/opt/venv/bin/python", cwd=Path("/shared/proj"))
+    lines = script.splitlines()
+    sbatch = [ln for ln in lines if ln.startswith("#SBATCH ")]
+    assert sbatch == [
+        "#SBATCH --job-name=tiny", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=2",
+        "#SBATCH --gpus-per-node=2", "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high",
+        "#SBATCH --time=0:12:00", "#SBATCH --constraint=a100&ib", "#SBATCH --output=/shared/runs/tiny/r1/slurm-%j.out",
+        "#SBATCH --chdir=/shared/proj", "#SBATCH --export=ALL", "#SBATCH --no-requeue", "#SBATCH --mem=64G", "#SBATCH --exclusive",
+    ]  # fmt: skip
+    assert lines[0] == "#!/bin/bash" and lines[-1] == "exec /opt/venv/bin/python -m launcher.control.submitted slurm /shared/runs/tiny/r1"
+
+
+def test_the_slurm_section_is_checked_with_file_and_line(tmp_path):
+    extra = """\
+    slurm:
+      partition: "a b"
+      time: 2h
+      extra_sbatch: [--mem=1G, "-N 2", --nodes=4, "--output=x"]
+      acount: me
+    """
+    with pytest.raises(SpecError) as info:
+        job(tmp_path, extra)
+    path = tmp_path / "job.yaml"
+    assert info.value.problems == [
+        f"{path}:7: slurm.partition: expected one word (no blanks, quotes or backslashes) (got 'a b')",
+        f"{path}:8: slurm.time: expected a Slurm time limit: MINUTES, HH:MM:SS, D-HH or D-HH:MM:SS (got '2h')",
+        f"{path}:9: slurm.extra_sbatch.1: expected one long sbatch option, e.g. --mem=64G (got '-N 2')",
+        f"{path}:9: slurm.extra_sbatch.2: --nodes is written by the launcher (set resources.nodes instead) (got '--nodes=4')",
+        f"{path}:9: slurm.extra_sbatch.3: --output is written by the launcher (not an option here) (got '--output=x')",
+        f"{path}:10: slurm.acount: unknown key, did you mean 'account'?",
+    ]
+
+
+class Recorder(RunEvents):
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def note(self, text):
+        self.seen.append(("note", text))
+
+    def message(self, text):
+        self.seen.append(("message", text))
+
+    def rank_output(self, source, text):
+        self.seen.append(("rank", source, text))
+
+
+def test_the_job_output_carries_the_events_back(capsys):
+    inside = SlurmJobEvents()
+    inside.note("no GPU visible")
+    inside.rank_output("n2:3", "step 10 | loss 0.1")
+    inside.stage_started("tiny", 4, "cpu", "slurm")
+    inside.rank_output("n1:agent", "srun: error: n1: task 0: Killed")
+    inside.stage_finished()
+    lines = capsys.readouterr().out.splitlines()
+    outside, stages = Recorder(), []
+    for line in [*lines, "Traceback (most recent call last):"]:
+        replay(line, outside, stages.append)
+    assert outside.seen == [
+        ("note", "no GPU visible"),
+        ("rank", "n2:3", "step 10 | loss 0.1"),
+        ("rank", "n1:agent", "srun: error: n1: task 0: Killed"),
+        ("rank", "", "Traceback (most recent call last):"),
+    ]
+    assert [s["event"] for s in stages] == ["stage", "stage_end"] and stages[0]["world_size"] == 4
+    assert parse("n1:x not a rank")[0] == "text" and readable(lines[2]) == ("", "tiny: world size 4 on cpu (slurm)")
+
+
+def test_a_job_that_ended_without_a_result_is_explained(tmp_path):
+    out = tmp_path / "slurm-7.out"
+    out.write_text("error: /x/job.yaml: resources.device: 'cuda' requested but n1 has no visible GPU\n")
+    state = commands.JobState("7", "FAILED", "NonZeroExitCode", "n[1-2]", "n1", "2:0")
+    reason, summary = explain_end("7", state, None, out)
+    assert reason == FailureReason.FAILED and summary.endswith("without the launcher inside writing a result: error: /x/job.yaml: resources.device: 'cuda' requested but n1 has no visible GPU")
+    assert explain_end("7", state, "SIGINT", tmp_path / "none.out")[1] == "interrupted (SIGINT; Slurm job 7 cancelled before it ran)"
+    timeout = commands.JobState("7", "TIMEOUT", "TimeLimit", "n1", "n1", "0:15")
+    assert explain_end("7", timeout, None, out)[0] == FailureReason.TIMEOUT
