@@ -31,7 +31,7 @@ from launcher.procutil import free_port, handling_stop_signals
 from launcher.records import BackendName, Failure, FailureReason, StageOutcome, new_run_id
 from launcher.results.aggregate import aggregate
 from launcher.results.hooks import attach_plots, run_summarize, workload_module
-from launcher.results.series import default_summary, plot_series
+from launcher.results.series import default_summary
 from launcher.results.store import RunResult, write_result
 from launcher.runtime.devices import discover
 from launcher.spec.model import LoadedJob, load_job
@@ -329,12 +329,9 @@ def finish_run(
     result["summary"].update(run_summarize(result, module, loaded.params))
     if "scaling" in result["summary"]:
         result["scaling"] = result["summary"]["scaling"]
-    default_plots = None
     if getattr(module, "summarize", None) is None:  # no hooks: every logged series, per rank
         result["summary"].update(default_summary(result))
-    if getattr(module, "plot", None) is None:
-        default_plots = plot_series
-    plots = attach_plots(result, run_dir, module, default_plots)
+    plots = attach_plots(result, run_dir, module)
     _write_tensorboard(result, run_dir)
     result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
     write_result(run_dir, result)

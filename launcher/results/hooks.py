@@ -57,9 +57,12 @@ def run_plot(result: Mapping[str, Any], module: Any, run_dir: Path) -> list[str]
     return [str(p) for p in hook(result, run_dir)]
 
 
-def attach_plots(result: dict[str, Any], run_dir: Path, module: Any, extra: Any = None) -> list[str]:
-    """Render the job's plots (and ``extra(result, run_dir)``'s, the default ones) and list them
-    in ``result["plots"]``; a broken plot hook is noted in ``result["plot_error"]``."""
+def attach_plots(result: dict[str, Any], run_dir: Path, module: Any) -> list[str]:
+    """Render the job's plots (a job without a ``plot`` hook gets a line plot of its logged series
+    per stage) and list them in ``result["plots"]``; a broken plot hook is noted in ``result["plot_error"]``."""
+    from launcher.results.series import plot_series
+
+    extra = plot_series if getattr(module, "plot", None) is None else None
     plots: list[str] = []
     result.pop("plot_error", None)
     try:

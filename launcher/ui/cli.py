@@ -25,7 +25,7 @@ def _run_parser() -> _Parser:
         prog="launch",
         description="Run a YAML job spec on every GPU of one or more nodes (torchrun, Ray or Slurm).",
         epilog=(
-            "other commands: launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR | "
+            "other commands: launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR|JOB_DIR | launch runs [JOB] | "
             "launch status|logs|stop JOB_ID [--address URL] (a Ray job, or a numeric Slurm job id)"
         ),
     )
@@ -186,10 +186,22 @@ def _print_job_status(info, *, as_json: bool) -> int:  # noqa: ANN001 - a ray_jo
     return EXIT_OK
 
 
+def cmd_runs(argv: Sequence[str]) -> int:
+    p = _Parser(prog="launch runs", description="List past runs, newest first.")
+    p.add_argument("job", nargs="?", help="only this job's runs")
+    p.add_argument("--out", default="runs", help="root of run directories (default: runs/)")
+    p.add_argument("--limit", type=int, default=20)
+    args = p.parse_args(argv)
+    from launcher.ui.report import list_runs
+
+    return list_runs(Path(args.out), args.job, args.limit)
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "devices": cmd_devices,
     "validate": cmd_validate,
     "report": cmd_report,
+    "runs": cmd_runs,
     "status": _ray_command("status"),
     "logs": _ray_command("logs"),
     "stop": _ray_command("stop"),

@@ -15,7 +15,7 @@ scaling: {workers: [1, 2]}
 """
 
 
-def test_a_job_without_hooks_gets_its_series_summarised_and_plotted(tmp_path):
+def test_a_job_without_hooks_gets_its_series_summarised_and_plotted(tmp_path, capsys):
     spec = tmp_path / "user.yaml"
     spec.write_text(SPEC % REPO)
     run = run_job(spec, out=tmp_path / "runs", events=RunEvents(), metrics=False)
@@ -29,3 +29,11 @@ def test_a_job_without_hooks_gets_its_series_summarised_and_plotted(tmp_path):
     assert any(line.startswith("world size 2: ") and "steps/s per rank" in line for line in summary["conclusions"])
     assert run.data["plots"] == ["series_world1.png", "series_world2.png"]
     assert all((run.run_dir / p).stat().st_size > 10_000 for p in run.data["plots"])
+    # the run is listed, and `launch report` on the job's directory renders this latest run
+    from launcher.ui.cli import main
+
+    assert main(["runs", "--out", str(tmp_path / "runs")]) == 0
+    assert main(["report", str(tmp_path / "runs" / "user_mlp")]) == 0
+    shown = capsys.readouterr().out
+    assert run.run_dir.name in shown and "succeeded" in shown
+    assert f"plot: {run.run_dir}/series_world2.png" in shown.replace("\n", "")
