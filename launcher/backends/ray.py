@@ -127,6 +127,29 @@ def _embedded_cpus(job: Any) -> int:
 
 
 @contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """An embedded Ray on 127.0.0.1 alone. Ray swaps 127.0.0.1 for the machine's address (and its
+    servers listen on every interface) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: set for the
+    processes ray.init starts (they inherit it) and for this one's already-read constant."""
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(_RAY_CLUSTER_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_RAY_CLUSTER_ENV, None)
+        else:
+            os.environ[_RAY_CLUSTER_ENV] = saved_env
+
+
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
 def ray_session(job: Any) -> Iterator[None]:
     """Connect to Ray for one run: the user's own ``ray.init``, a cluster (inside a Ray job), or an
     embedded local Ray that is shut down completely, every process of it gone, on exit."""
@@ -143,14 +166,16 @@ def ray_session(job: Any) -> Iterator[None]:
     before = set(descendants(os.getpid())) if embedded else set()
     try:
         if embedded:
-            ctx = ray.init(
-                address="local",
-                num_cpus=_embedded_cpus(job),
-                include_dashboard=True,
-                dashboard_host=settings.dashboard_host,
-                object_store_memory=256 * 1024**2,
-                **common,
-            )
+            with _loopback_only():
+                ctx = ray.init(
+                    address="local",
+                    num_cpus=_embedded_cpus(job),
+                    include_dashboard=True,
+                    dashboard_host=settings.dashboard_host,
+                    object_store_memory=256 * 1024**2,
+                    _node_ip_address="127.0.0.1",
+                    **common,
+                )
         else:
             ctx = ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", **common)
     except (ConnectionError, RuntimeError, ValueError) as exc:
