@@ -16,9 +16,11 @@ import base64
 import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import signal
+import socket
 import tarfile
 import tempfile
 import time
@@ -40,6 +42,8 @@ SPEC_FILE = "_gpulaunch_job.yaml"
 BUNDLE_TAG = "@gpulaunch-bundle "
 BUNDLE_END = "@gpulaunch-bundle-end "
 CHUNK = 16_000
+MAX_BUNDLED_FILE = 1024**2  # larger files (checkpoints) stay on the cluster instead of flooding the job's log
+LEFT_FILE = "left_on_cluster.json"
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 POLL_S = 0.5
 STOP_WAIT_S = 30.0  # how long an interrupted launch waits for its Ray job to stop
@@ -138,16 +142,33 @@ def submit_and_wait(job: LoadedJob, *, address: str, out: str | Path, events: Ru
         status, logs = _status(jobs, job_id), jobs.get_job_logs(job_id)
     run_dir = unpack_bundle(logs, Path(out))
     if run_dir is None:
+        said = [ln[len("error: "):] for ln in job_log_lines(logs) if ln.startswith("error: ")]
+        why = f": {said[-1]}" if said else ""
         raise LauncherError(
-            f"Ray job {job_id} ended {status} without sending its result back (see: launch logs {job_id} --address {address})",
+            f"Ray job {job_id} ended {status} without sending its result back{why} (see: launch logs {job_id} --address {address})",
             exit_code=EXIT_INTERRUPTED if status == "STOPPED" else _exit_code(jobs.get_job_info(job_id)),
         )
     data = load_result(run_dir) or {}
-    data["run_dir"] = str(run_dir)  # where it is now, not the cluster's temporary directory
+    data["run_dir"] = str(run_dir)  # where it is now, not the cluster's directory
     write_result(run_dir, data)
+    _say_what_stayed(run_dir, events)
     result = RunResult(data, run_dir, tuple(str(run_dir / p) for p in data.get("plots", [])))
     events.finished(result)
     return result
+
+
+def _say_what_stayed(run_dir: Path, events: RunEvents) -> None:
+    listing_file = run_dir / LEFT_FILE
+    if not listing_file.is_file():
+        return
+    listing = json.loads(listing_file.read_text())
+    files = listing.get("files", [])
+    total = sum(f.get("bytes", 0) for f in files) / 1024**2
+    where = str(Path(files[0]["path"]).parent) if files else "?"
+    events.message(
+        f"{len(files)} large file(s), {total:.1f} MiB, stayed on the cluster ({listing.get('host')}:{where}; "
+        f"{LEFT_FILE} lists them): copy them with scp or rsync from the head"
+    )
 
 
 def _submit(jobs: Any, job: LoadedJob, submission_id: str, metadata: dict[str, str], address: str) -> str:
@@ -267,16 +288,23 @@ def _stop_and_wait(jobs: Any, job_id: str, timeout_s: float = 60.0) -> str:
 # --- the result bundle: cluster side and client side -------------------------------------------------
 
 
-def emit_bundle(run_dir: Path, write: Any = print) -> None:
-    """Print ``run_dir`` (result.json, reports, logs, plots) as tagged base64 lines."""
+def emit_bundle(run_dir: Path, write: Any = print, max_file: int = MAX_BUNDLED_FILE) -> list[str]:
+    """Print ``run_dir`` (result.json, reports, logs, plots) as tagged base64 lines. Files larger
+    than ``max_file`` (checkpoints) stay on the cluster, listed in ``left_on_cluster.json``; the
+    paths of those left behind are returned."""
+    left = sorted(str(p) for p in run_dir.rglob("*") if p.is_file() and p.stat().st_size > max_file)
+    if left:
+        listing = {"host": socket.gethostname(), "files": [{"path": f, "bytes": Path(f).stat().st_size} for f in left]}
+        (run_dir / LEFT_FILE).write_text(json.dumps(listing, indent=2))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        tar.add(run_dir, arcname=f"{run_dir.parent.name}/{run_dir.name}")
+        tar.add(run_dir, arcname=f"{run_dir.parent.name}/{run_dir.name}", filter=lambda info: None if info.isfile() and info.size > max_file else info)
     data = base64.b64encode(buf.getvalue()).decode()
     chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [""]
     for i, chunk in enumerate(chunks):
         write(f"{BUNDLE_TAG}{i}/{len(chunks)} {chunk}")
     write(f"{BUNDLE_END}{hashlib.sha256(data.encode()).hexdigest()}")
+    return left
 
 
 def unpack_bundle(logs: str, out: Path) -> Path | None:

@@ -8,50 +8,79 @@ log, and at the end sends the run directory back as a tagged bundle in the log's
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from launcher.backends.ray_jobs import emit_bundle
-from launcher.control.api import run_job
-from launcher.control.events import PlainEvents
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
-from launcher.results.store import RunResult
+
+# what the launcher needs on the cluster, checked before anything else is imported there
+NEEDED = ("yaml", "pydantic", "rich", "matplotlib", "psutil", "prometheus_client", "torch")
+# the launcher's run directories on a Ray cluster's head: a run whose large files stay there
+# (checkpoints: not sent back through the job's log) keeps its directory; others are removed
+CLUSTER_RUNS = Path("~/gpulaunch-runs")
 
 
-class _JobLogEvents(PlainEvents):
-    """Rank lines into the job's log; the summary is the client's to show."""
+def missing_dependencies(extra: Sequence[str] = ()) -> list[str]:
+    return [name for name in (*NEEDED, *extra) if importlib.util.find_spec(name) is None]
 
-    def finished(self, result: RunResult) -> None:
-        """Nothing: the cluster-side run directory is temporary (the client unpacks the bundle)."""
+
+def _lacking(extra: Sequence[str]) -> int | None:
+    """One line, and exit 2, when this interpreter cannot run the launcher."""
+    missing = missing_dependencies(extra)
+    if not missing:
+        return None
+    print(
+        f"error: the cluster's Python ({sys.executable}) lacks {', '.join(missing)}: install gpulaunch's "
+        "dependencies there (pip install 'gpulaunch[ray]' with the nodes' torch build), then submit again",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_BAD_INPUT
 
 
 def inside_ray(spec: str) -> int:
     """Run the launcher on this Ray cluster, then send the run directory back."""
-    out = Path(tempfile.mkdtemp(prefix="gpulaunch-job-"))
+    lacking = _lacking(("ray",))
+    if lacking is not None:
+        return lacking
+    from launcher.backends.ray_jobs import emit_bundle
+    from launcher.control.api import run_job
+    from launcher.control.events import PlainEvents
+
+    class JobLogEvents(PlainEvents):
+        """Rank lines into the job's log; the summary is the client's to show."""
+
+        def finished(self, result: object) -> None:
+            """Nothing: the client shows the run from the bundle, under its own --out."""
+
+    out = CLUSTER_RUNS.expanduser()
     try:
-        try:
-            code = run_job(spec, backend="ray", out=out, events=_JobLogEvents()).exit_code
-        except LauncherError as exc:
-            for line in str(exc).splitlines() or ["failed"]:
-                print(f"error: {line}", file=sys.stderr, flush=True)
-            code = exc.exit_code
-        sys.stdout.flush()
-        runs = sorted(out.glob("*/*/result.json"))
-        if runs:
-            emit_bundle(runs[-1].parent)
-        sys.stdout.flush()
-        return code
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+        # no endpoint of its own: on the cluster the rank actors export the metrics (the head's 127.0.0.1 is not the user's)
+        result = run_job(spec, backend="ray", out=out, events=JobLogEvents(), metrics=False)
+        code, run_dir = result.exit_code, result.run_dir
+    except LauncherError as exc:
+        for line in str(exc).splitlines() or ["failed"]:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    sys.stdout.flush()
+    left = emit_bundle(run_dir)
+    sys.stdout.flush()
+    if not left:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return code
 
 
 def inside_slurm(run_dir: str) -> int:
     """Run the launcher inside this Slurm batch job, into the run directory the submitting
     launcher made on the shared filesystem (it follows the job's output and that directory)."""
+    lacking = _lacking(())
+    if lacking is not None:
+        return lacking
     from launcher.backends.slurm.events import SlurmJobEvents
+    from launcher.control.api import run_job
     from launcher.backends.slurm.script import SPEC_FILE
     from launcher.spec.model import load_job
 
