@@ -194,73 +194,78 @@ def summary_dict(result: Mapping[str, Any]) -> dict[str, Any]:
 def plot_series(result: Mapping[str, Any], run_dir: str | Path) -> list[Path]:
     """One PNG per stage with logged values, ``series_world<N>.png``: a panel per series, a line per
     rank, against the index of the value (the step, for a series logged once per step)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     written = []
-    job = result.get("job") or "job"
     rates = {s.world_size: s for s in step_rates(result)}
     for ws, ranks in _stage_ranks(result):
         names = sorted({n for r in ranks for n, v in (r["metrics"].get("values") or {}).items() if v})
-        if not names:
-            continue
-        shown, hidden = names[:MAX_PANELS], names[MAX_PANELS:]
-        cols = min(3, len(shown))
-        rows = math.ceil(len(shown) / cols)
-        fig = Figure(figsize=(4.6 * cols, 3.3 * rows + 0.9))
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(rows, cols, squeeze=False)
-        notes = []
-        for i, name in enumerate(shown):
-            ax = axes[i // cols][i % cols]
-            steps_logged, longest = True, 0
-            for r in ranks:
-                vals = _floats((r["metrics"].get("values") or {}).get(name))
-                if not vals:
-                    continue
-                steps_logged &= len(vals) == r["metrics"].get("steps")
-                longest = max(longest, len(vals))
-                xs, ys = _thin(vals)
-                if len(xs) < len(vals):
-                    notes.append(f"{name}: {len(vals)} values per rank, every {len(vals) // len(xs) or 1}th drawn")
-                marker = "o" if len(vals) <= 30 else None
-                # NaN/inf stay gaps in the line: never drawn as a value
-                ax.plot(xs, [y if math.isfinite(y) else math.nan for y in ys], marker=marker, markersize=3,
-                        linewidth=1.2, label=f"rank {r.get('rank', '?')}")
-            ax.set_title(name, fontsize=10)
-            ax.set_xlabel("step" if steps_logged else "value # (in the order logged)")
-            if longest <= 10:  # a handful of values: exactly their indices, never 0.975
-                ax.set_xticks(range(1, longest + 1))
-                ax.set_xlim(0.5, longest + 0.5)
-            else:
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
-            if 1 < len(ranks) <= MAX_LEGEND_RANKS:
-                ax.legend(fontsize=7)
-        for j in range(len(shown), rows * cols):
-            axes[j // cols][j % cols].set_visible(False)
-        if len(ranks) > MAX_LEGEND_RANKS:
-            notes.append(f"{len(ranks)} ranks, one line each (no legend)")
-        if hidden:
-            notes.append(f"{len(hidden)} more series not drawn: {', '.join(hidden[:10])}{' ...' if len(hidden) > 10 else ''}")
-        rate = rates.get(ws)
-        title = f"{job}: logged series, world size {ws}"
-        if rate and rate.steps_per_s is not None:
-            title += f" ({rate.steps_per_rank:g} steps per rank, {rate.steps_per_s:,.1f} steps/s per rank)"
-        fig.suptitle(title, fontsize=11)
-        if notes:
-            text = "\n".join(dict.fromkeys(notes))
-            extra = (text.count("\n") + 1) * 0.15 + 0.2
-            fig.set_figheight(fig.get_figheight() + extra)
-            fig.text(0.01, 0.01, text, fontsize=8, color="#444444", ha="left", va="bottom")
-            fig.tight_layout(rect=(0, extra / fig.get_figheight(), 1, 1))
-        else:
-            fig.tight_layout()
-        path = Path(run_dir) / f"series_world{ws}.png"
-        fig.savefig(path, dpi=110)
-        written.append(path)
+        if names:
+            written.append(_plot_stage(result.get("job") or "job", ws, ranks, names, rates.get(ws), Path(run_dir)))
     return written
+
+
+def _plot_stage(job: str, ws: int, ranks: list[Mapping[str, Any]], names: list[str], rate: StepRate | None, run_dir: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    shown, hidden = names[:MAX_PANELS], names[MAX_PANELS:]
+    cols = min(3, len(shown))
+    rows = math.ceil(len(shown) / cols)
+    fig = Figure(figsize=(4.6 * cols, 3.3 * rows + 0.9))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    notes: list[str] = []
+    for i, name in enumerate(shown):
+        _plot_panel(axes[i // cols][i % cols], name, ranks, notes)
+    for j in range(len(shown), rows * cols):
+        axes[j // cols][j % cols].set_visible(False)
+    if len(ranks) > MAX_LEGEND_RANKS:
+        notes.append(f"{len(ranks)} ranks, one line each (no legend)")
+    if hidden:
+        notes.append(f"{len(hidden)} more series not drawn: {', '.join(hidden[:10])}{' ...' if len(hidden) > 10 else ''}")
+    title = f"{job}: logged series, world size {ws}"
+    if rate and rate.steps_per_s is not None:
+        title += f" ({rate.steps_per_rank:g} steps per rank, {rate.steps_per_s:,.1f} steps/s per rank)"
+    fig.suptitle(title, fontsize=11)
+    if notes:
+        text = "\n".join(dict.fromkeys(notes))
+        extra = (text.count("\n") + 1) * 0.15 + 0.2
+        fig.set_figheight(fig.get_figheight() + extra)
+        fig.text(0.01, 0.01, text, fontsize=8, color="#444444", ha="left", va="bottom")
+        fig.tight_layout(rect=(0, extra / fig.get_figheight(), 1, 1))
+    else:
+        fig.tight_layout()
+    path = run_dir / f"series_world{ws}.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _plot_panel(ax: Any, name: str, ranks: list[Mapping[str, Any]], notes: list[str]) -> None:
+    """One series: a line per rank (NaN/inf stay gaps, never drawn as values), integer steps."""
+    from matplotlib.ticker import MaxNLocator
+
+    steps_logged, longest = True, 0
+    for r in ranks:
+        vals = _floats((r["metrics"].get("values") or {}).get(name))
+        if not vals:
+            continue
+        steps_logged &= len(vals) == r["metrics"].get("steps")
+        longest = max(longest, len(vals))
+        xs, ys = _thin(vals)
+        if len(xs) < len(vals):
+            notes.append(f"{name}: {len(vals)} values per rank, every {len(vals) // len(xs) or 1}th drawn")
+        marker = "o" if len(vals) <= 30 else None
+        ax.plot(xs, [y if math.isfinite(y) else math.nan for y in ys], marker=marker, markersize=3,
+                linewidth=1.2, label=f"rank {r.get('rank', '?')}")
+    ax.set_title(name, fontsize=10)
+    ax.set_xlabel("step" if steps_logged else "value # (in the order logged)")
+    if longest <= 10:  # a handful of values: exactly their indices, never 0.975
+        ax.set_xticks(range(1, longest + 1))
+        ax.set_xlim(0.5, longest + 0.5)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if 1 < len(ranks) <= MAX_LEGEND_RANKS:
+        ax.legend(fontsize=7)
 
 
 def _thin(vals: list[float]) -> tuple[list[int], list[float]]:
