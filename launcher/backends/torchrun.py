@@ -116,6 +116,10 @@ class TorchrunBackend(Backend):
                 self._agents.append((node, transport, proc))
 
     def poll(self) -> BackendStatus:
+        lost = [(node, why) for node, transport, proc in self._agents if proc.poll() != 0 and (why := transport.lost(proc))]
+        if lost:  # a host is gone (its agent's exit code, ssh's own 255 or none yet, says no more)
+            detail = "; ".join(f"lost host {node.host} ({why})" for node, why in lost)
+            return BackendStatus(done=True, ok=False, rank_exits=self._rank_exits(), detail=detail)
         codes = [(node, proc.poll()) for node, _, proc in self._agents]
         failed = [(node, code) for node, code in codes if code not in (None, 0)]
         if failed:

@@ -38,6 +38,11 @@ class Transport(ABC):
     def stop(self, procs: Sequence[subprocess.Popen], grace_s: float) -> None:
         """Ask these agents to end; the backend signals whatever is still running afterwards."""
 
+    def lost(self, proc: subprocess.Popen) -> str | None:
+        """Why the host of this agent is gone (``connection closed``, ``no answer for 5 s``), or
+        None while it answers (or where, as on this machine, a host cannot be lost)."""
+        return None
+
     def collect(self, plan: StagePlan, nodes: Sequence[NodeSlot], logs: LogRouter) -> None:
         """Bring the nodes' rank reports and progress files into the local stage directory."""
 

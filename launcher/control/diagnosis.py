@@ -22,6 +22,9 @@ PEER_LOSS = re.compile(
     re.IGNORECASE,
 )
 LOG_TAIL_LINES = 20
+# The error type of a rank whose host was lost (its connection closed, or it fell silent): the
+# launcher writes it for that host's ranks (``launcher.backends.ssh``); never a peer's loss.
+HOST_LOST = "HostLost"
 # a rank on the CPU whose code reached for CUDA or NCCL (a script written for a GPU box)
 CUDA_ON_CPU = re.compile(r"_cuda_setDevice|torch\.cuda|CUDA|NCCL|nccl|Torch not compiled with CUDA", re.IGNORECASE)
 CUDA_ON_CPU_HINT = (
@@ -56,17 +59,28 @@ def explain_failure(
     said when no rank report explains the failure (an agent's exit, a lost actor)."""
     root = find_root_cause(reports, rank_exits) if reason == FailureReason.FAILED else None
     stuck = tuple(r.rank for r in reports if r.status not in (RankStatus.OK, RankStatus.FAILED)) if reason == FailureReason.TIMEOUT else ()
+    # the ranks of a lost host were lost with it: neither the root cause nor collateral
+    lost = {r.rank: r.host for r in reports if r.error is not None and r.error.type == HOST_LOST}
     if reason == FailureReason.INTERRUPTED:
         collateral: tuple[int, ...] = ()  # a stop is nobody's fault: nothing is "collateral"
     else:  # a stuck rank is named as stuck, not as collateral
-        collateral = tuple(r.rank for r in reports if not r.ok and r.rank not in stuck and (root is None or r.rank != root.rank))
+        collateral = tuple(
+            r.rank for r in reports if not r.ok and r.rank not in stuck and r.rank not in lost and (root is None or r.rank != root.rank)
+        )
     summary = {
-        FailureReason.FAILED: root.line() if root else detail or "the group ended without a rank report",
+        FailureReason.FAILED: _lost_hosts(root, reports, lost) if root and root.type == HOST_LOST else root.line() if root else detail or "the group ended without a rank report",
         FailureReason.TIMEOUT: f"run exceeded timeouts.run_s={run_timeout_s:g}s; stuck ranks: {list(stuck) or 'none'}",
         FailureReason.INTERRUPTED: f"interrupted ({stop_reason or 'signal'})",
         FailureReason.NOT_STARTED: detail,
     }[reason]
     return Failure(reason, summary, root, collateral, stuck)
+
+
+def _lost_hosts(root: RootCause, reports: Sequence[RankReport], lost: dict[int, str]) -> str:
+    """``lost host h2 (no answer for 5 s): ranks [1] lost with h2``, the root cause's host first."""
+    messages = {r.host: r.error.message for r in reports if r.rank in lost and r.error is not None}
+    hosts = [root.host or "", *sorted(h for h in set(lost.values()) if h != root.host)]
+    return "; ".join(f"{messages.get(h, f'lost host {h}')}: ranks {sorted(k for k, v in lost.items() if v == h)} lost with {h}" for h in hosts)
 
 
 def find_root_cause(reports: Sequence[RankReport], rank_exits: Sequence[RankExit]) -> RootCause | None:

@@ -9,14 +9,21 @@ Layout (one set per test session, names carry this pytest's pid so parallel runs
 
 The subnet exists only inside these namespaces. Every sshd uses a host key and a client key made
 for the session, and a known_hosts file the tests control (StrictHostKeyChecking=yes). The
-namespaces share the filesystem and pid space, so the venv's python works in every "host" and
-tests can kill a rank by pid. Finalizers kill every process left in these namespaces (by pid,
-found with `ip netns pids`) and delete the namespaces, even when a test fails.
+namespaces share the pid space (tests can kill a rank by pid) and the filesystem, except the run
+root (``NetnsCluster.run_root``): each host's sshd runs in a mount namespace of its own with a
+tmpfs over that directory, so a host's run directories are private to it, as on real servers,
+and the launcher must bring every report back itself. sshd logs every login ("Accepted
+publickey"), so tests can count them per host. Finalizers kill every process left in these
+namespaces (by pid, found with `ip netns pids`) and delete the namespaces, even when a test fails.
+
+``netns_rig`` builds such a set outside pytest too (``benchmarks/multihost.py`` uses it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -24,18 +31,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
 
 from launcher.procutil import cmdline
-from tests.conftest import REPO
 
+REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.231.7"
 PREFIX = f"glt-{os.getpid()}"
 
 
-def _missing_tools() -> str | None:
+def missing_tools() -> str | None:
     if sys.platform != "linux":
         return "needs Linux network namespaces"
     if os.geteuid() != 0:
@@ -63,16 +71,20 @@ def netns_pids(ns: str) -> set[int]:
     return {int(p) for p in done.stdout.split() if p.strip().isdigit()} if done.returncode == 0 else set()
 
 
+def _kill(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _kill_all_in(ns: str) -> None:
     for _ in range(3):
         pids = netns_pids(ns)
         if not pids:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(pids)
         time.sleep(0.2)
 
 
@@ -81,7 +93,7 @@ def _delete_ns(ns: str) -> None:
     sh("ip", "netns", "del", ns, check=False)
 
 
-def _remove_stale_sets() -> None:
+def remove_stale_sets() -> None:
     """Namespaces left by an earlier session of these tests whose pytest died (pid gone)."""
     done = sh("ip", "netns", "list", check=False)
     for line in done.stdout.splitlines():
@@ -90,6 +102,11 @@ def _remove_stale_sets() -> None:
         if len(parts) >= 3 and parts[0] == "glt" and parts[1].isdigit() and int(parts[1]) != os.getpid():
             if not psutil.pid_exists(int(parts[1])):
                 _delete_ns(name)
+    for group in CPUACCT.glob("glt-*") if CPUACCT.is_dir() else ():
+        parts = group.name.split("-")
+        if len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) != os.getpid() and not psutil.pid_exists(int(parts[1])):
+            with contextlib.suppress(OSError):
+                group.rmdir()
 
 
 @dataclass
@@ -109,9 +126,12 @@ class NetnsCluster:
     key: Path
     known_hosts: Path
     workdir: Path
+    run_root: Path  # private to each host (a tmpfs in its own mount namespace); shared by nobody
     created: list[str] = field(default_factory=list)
+    host_key: Path | None = None
+    authorized: Path | None = None
 
-    def cluster_yaml(self, path: Path, entries: list[dict] | None = None, **defaults: object) -> Path:
+    def cluster_yaml(self, path: Path, entries: list[dict] | None = None, hosts: list[Host] | None = None, **defaults: object) -> Path:
         """A cluster file for these hosts (or for ``entries``), with the test's key and known_hosts."""
         import yaml
 
@@ -127,9 +147,15 @@ class NetnsCluster:
                 "connect_timeout_s": 3,
                 **defaults,
             },
-            "hosts": entries if entries is not None else [{"name": h.name, "address": h.address} for h in self.hosts],
+            "hosts": entries if entries is not None else [{"name": h.name, "address": h.address} for h in (hosts or self.hosts)],
         }
         path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    def out_dir(self, name: str) -> Path:
+        """A ``--out`` for one test: under the run root, so each host's copy is its own."""
+        path = self.run_root / name
+        path.mkdir(parents=True, exist_ok=True)
         return path
 
     def ns_cmd(self, *argv: str, ns: str | None = None) -> list[str]:
@@ -145,7 +171,7 @@ class NetnsCluster:
         return subprocess.Popen(self.ns_cmd(sys.executable, "-m", "launcher", *args), cwd=REPO, text=True, **kwargs)
 
     def sshd_pids(self) -> set[int]:
-        return {h.sshd.pid for h in self.hosts if h.sshd is not None}
+        return {h.sshd.pid for h in self.hosts if h.sshd is not None and h.sshd.poll() is None}
 
     def leftovers(self) -> dict[str, set[int]]:
         """Processes in any of our namespaces other than the sshd listeners themselves."""
@@ -174,11 +200,77 @@ class NetnsCluster:
 
     def kill_leftovers(self) -> None:
         for ns in [self.cli_ns, *(h.ns for h in self.hosts)]:
-            for pid in netns_pids(ns) - self.sshd_pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill(netns_pids(ns) - self.sshd_pids())
+
+    # --- what a test does to a host -------------------------------------------------------------
+
+    def sshd_log(self, host: Host) -> Path:
+        return self.workdir / f"sshd_{host.name}.log"
+
+    def logins(self, host: Host) -> int:
+        """How many SSH logins ``host`` has accepted since its sshd started."""
+        try:
+            return self.sshd_log(host).read_text(errors="replace").count("Accepted publickey for ")
+        except OSError:
+            return 0
+
+    def power_off(self, host: Host) -> None:
+        """Every process of ``host`` dies at once, its sshd listener included (its private run
+        directory goes with its mount namespace): what a power cut leaves, bar the network."""
+        _kill_all_in(host.ns)
+        if host.sshd is not None:
+            host.sshd.wait(10)
+
+    def power_on(self, host: Host) -> None:
+        """A fresh sshd (and an empty run root) on a host that was powered off."""
+        if host.sshd is None or host.sshd.poll() is not None:
+            assert self.host_key is not None and self.authorized is not None
+            _start_sshd(host, self.workdir, self.host_key, self.authorized, self.run_root)
+            wait_ssh(self, host)
+
+    def cpu_seconds(self, host: Host) -> float | None:
+        """CPU time used so far by everything ``host`` ran (None where it cannot be counted)."""
+        try:
+            return int((_host_cgroup(host) / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return None
+
+    def link(self, host: Host, up: bool) -> None:
+        """Take ``host``'s only network link down (packets vanish, nothing is closed) or up."""
+        sh("ip", "-n", host.ns, "link", "set", "eth0", "up" if up else "down")
+
+    def on_host(self, host: Host, *argv: str) -> subprocess.CompletedProcess:
+        """Run a command in ``host``'s own view of the filesystem (its private run root)."""
+        assert host.sshd is not None
+        return sh("nsenter", "-t", str(host.sshd.pid), "-m", "-n", *argv, check=False)
+
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")  # cgroup v1's CPU accounting, where this machine has it
+
+
+def _host_cgroup(host: Host) -> Path:
+    return CPUACCT / host.ns
+
+
+def _account(host: Host) -> None:
+    """Count the CPU time of everything ``host`` runs (its sshd and all it starts), if we can."""
+    group = _host_cgroup(host)
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").write_text(str(host.sshd.pid) if host.sshd is not None else "")
+    except OSError:
+        pass
+
+
+def _drop_cgroup(host: Host) -> None:
+    for _ in range(20):
+        try:
+            _host_cgroup(host).rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)  # its last processes are still exiting
 
 
 def _make_keys(workdir: Path) -> tuple[Path, Path, Path]:
@@ -191,7 +283,7 @@ def _make_keys(workdir: Path) -> tuple[Path, Path, Path]:
     return key, host_key, authorized
 
 
-def _start_sshd(host: Host, workdir: Path, host_key: Path, authorized: Path) -> None:
+def _start_sshd(host: Host, workdir: Path, host_key: Path, authorized: Path, run_root: Path) -> None:
     config = workdir / f"sshd_{host.name}.conf"
     config.write_text(
         "\n".join(
@@ -209,7 +301,7 @@ def _start_sshd(host: Host, workdir: Path, host_key: Path, authorized: Path) -> 
                 "PubkeyAuthentication yes",
                 "MaxStartups 100:30:200",
                 "MaxSessions 100",
-                "LogLevel INFO",
+                "LogLevel VERBOSE",
                 "",
             ]
         )
@@ -217,19 +309,46 @@ def _start_sshd(host: Host, workdir: Path, host_key: Path, authorized: Path) -> 
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
     sshd = shutil.which("sshd") or "/usr/sbin/sshd"
     log = open(workdir / f"sshd_{host.name}.log", "ab")  # noqa: SIM115 - lives as long as sshd
-    host.sshd = subprocess.Popen(["ip", "netns", "exec", host.ns, sshd, "-D", "-e", "-f", str(config)], stdout=log, stderr=log)
+    # `ip netns exec` gives the command a mount namespace of its own (mounts there do not
+    # propagate back): the tmpfs over the run root is seen by this sshd and its sessions only.
+    script = f"mount -t tmpfs -o mode=0755,size=256m gl-{host.name} {shlex.quote(str(run_root))} && exec {sshd} -D -e -f {shlex.quote(str(config))}"
+    host.sshd = subprocess.Popen(["ip", "netns", "exec", host.ns, "sh", "-c", script], stdout=log, stderr=log)
+    _account(host)
 
 
-@pytest.fixture(scope="session")
-def netns_cluster(tmp_path_factory) -> NetnsCluster:
-    reason = _missing_tools()
-    if reason:
-        pytest.skip(reason)
-    _remove_stale_sets()
-    workdir = tmp_path_factory.mktemp("netns")
-    cluster = NetnsCluster(cli_ns=f"{PREFIX}-cli", hosts=[], key=workdir / "client_key", known_hosts=workdir / "known_hosts", workdir=workdir)
+def ssh_to(cluster: NetnsCluster, host: Host, *remote: str) -> list[str]:
+    return cluster.ns_cmd(
+        "ssh", "-F", "none", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+        "-o", f"UserKnownHostsFile={cluster.known_hosts}", "-o", "ConnectTimeout=3", "-i", str(cluster.key),
+        "-l", "root", host.address, *remote,
+    )
+
+
+def wait_ssh(cluster: NetnsCluster, host: Host, timeout_s: float = 20.0) -> None:
+    """sshd answers on ``host`` (probed by a connect to its port: no login is logged)."""
+    deadline = time.monotonic() + timeout_s
+    probe = "import socket,sys; socket.create_connection((sys.argv[1], 22), timeout=1).close()"
+    while True:
+        done = subprocess.run(cluster.ns_cmd(sys.executable, "-c", probe, host.address), capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            return
+        if time.monotonic() > deadline or (host.sshd is not None and host.sshd.poll() is not None):
+            log = cluster.sshd_log(host).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"sshd on {host.name} not reachable: {done.stderr.strip()[-500:]}\n{log}")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def netns_rig(workdir: Path, count: int = 3, *, prefix: str = PREFIX) -> Iterator[NetnsCluster]:
+    """``count`` hosts with sshd behind one bridge, torn down (every process killed by pid, every
+    namespace deleted) when the block ends, however it ends."""
+    run_root = workdir / "runs"
+    run_root.mkdir(parents=True, exist_ok=True)
+    cluster = NetnsCluster(
+        cli_ns=f"{prefix}-cli", hosts=[], key=workdir / "client_key", known_hosts=workdir / "known_hosts", workdir=workdir, run_root=run_root
+    )
     try:
-        _build(cluster, workdir, count=3)
+        _build(cluster, workdir, count, prefix)
         yield cluster
     finally:
         for host in cluster.hosts:
@@ -238,9 +357,11 @@ def netns_cluster(tmp_path_factory) -> NetnsCluster:
                 host.sshd.wait(10)
         for ns in reversed(cluster.created):
             _delete_ns(ns)
+        for host in cluster.hosts:
+            _drop_cgroup(host)
 
 
-def _build(cluster: NetnsCluster, workdir: Path, count: int) -> None:
+def _build(cluster: NetnsCluster, workdir: Path, count: int, prefix: str) -> None:
     cli = cluster.cli_ns
     sh("ip", "netns", "add", cli)
     cluster.created.append(cli)
@@ -249,10 +370,11 @@ def _build(cluster: NetnsCluster, workdir: Path, count: int) -> None:
     sh("ip", "-n", cli, "addr", "add", f"{SUBNET}.1/24", "dev", "br0")
     sh("ip", "-n", cli, "link", "set", "br0", "up")
     key, host_key, authorized = _make_keys(workdir)
+    cluster.host_key, cluster.authorized = host_key, authorized
     host_pub = Path(f"{host_key}.pub").read_text().split()
     known = []
     for k in range(1, count + 1):
-        host = Host(name=f"h{k}", ns=f"{PREFIX}-h{k}", address=f"{SUBNET}.{10 + k}")
+        host = Host(name=f"h{k}", ns=f"{prefix}-h{k}", address=f"{SUBNET}.{10 + k}")
         sh("ip", "netns", "add", host.ns)
         cluster.created.append(host.ns)
         sh("ip", "-n", host.ns, "link", "set", "lo", "up")
@@ -266,29 +388,19 @@ def _build(cluster: NetnsCluster, workdir: Path, count: int) -> None:
         cluster.hosts.append(host)
     cluster.known_hosts.write_text("\n".join(known) + "\n")
     for host in cluster.hosts:
-        _start_sshd(host, workdir, host_key, authorized)
+        _start_sshd(host, workdir, host_key, authorized, cluster.run_root)
     for host in cluster.hosts:
-        _wait_ssh(cluster, host)
+        wait_ssh(cluster, host)
 
 
-def ssh_to(cluster: NetnsCluster, host: Host, *remote: str) -> list[str]:
-    return cluster.ns_cmd(
-        "ssh", "-F", "none", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-        "-o", f"UserKnownHostsFile={cluster.known_hosts}", "-o", "ConnectTimeout=3", "-i", str(cluster.key),
-        "-l", "root", host.address, *remote,
-    )
-
-
-def _wait_ssh(cluster: NetnsCluster, host: Host, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done = subprocess.run(ssh_to(cluster, host, "true"), capture_output=True, text=True, timeout=30)
-        if done.returncode == 0:
-            return
-        if time.monotonic() > deadline or (host.sshd is not None and host.sshd.poll() is not None):
-            log = (cluster.workdir / f"sshd_{host.name}.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"sshd on {host.name} not reachable: {done.stderr.strip()}\n{log}")
-        time.sleep(0.2)
+@pytest.fixture(scope="session")
+def netns_cluster(tmp_path_factory) -> Iterator[NetnsCluster]:
+    reason = missing_tools()
+    if reason:
+        pytest.skip(reason)
+    remove_stale_sets()
+    with netns_rig(tmp_path_factory.mktemp("netns"), count=3) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -142,3 +142,18 @@ def test_host_side_helpers_answer_in_json(tmp_path):
     data = json.loads(line[len(JSON_TAG) :])
     assert data["ifname_present"] is True and data["torch"] and data["port"] > 0 and data["bind_error"] is None
     assert data["inventory"]["cpu_count"] >= 1
+
+
+def test_a_stage_session_reuses_the_hosts_connection(tmp_path):
+    """The agent's ssh command names the host's control socket and never becomes a master: it is a
+    session over the preflight's connection, not a new login; the remote side is quoted as before."""
+    from launcher.backends.ssh import HostLink
+
+    plan = _plan(tmp_path)
+    node = plan.nodes[1]
+    link = HostLink(node.target.ssh, tmp_path / "sockets" / "1")
+    argv = link.session_argv(["/opt/my env/bin/python", "-m", "launcher.runtime.hostagent", "agent", "--", NASTY])
+    dest = argv.index("--")
+    assert argv[dest - 4 : dest] == ["-S", str(tmp_path / "sockets" / "1"), "-o", "ControlMaster=no"]
+    assert "-M" not in argv and argv[dest + 1] == "10.0.0.2" and len(argv) == dest + 3
+    assert shlex.split(argv[-1])[-1] == NASTY  # still one quoted word for the remote shell

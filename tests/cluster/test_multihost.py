@@ -1,7 +1,9 @@
 """One `launch` on the launching host runs, watches and stops a job across three SSH hosts.
 
-Real sshd processes in real network namespaces, real torchrun agents, gloo across veths.
-Every test ends by checking that no process is left in any namespace (`ip netns pids`).
+Real sshd processes in real network namespaces, real torchrun agents, gloo across veths; each
+host's run directory is its own (the launcher brings every report back). One SSH login per host
+per run, however many stages. Every test ends by checking that no process is left in any
+namespace (`ip netns pids`), the launcher's SSH connections (ControlMasters) included.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import NetnsCluster, sh
-from tests.conftest import REPO
+from launcher.procutil import cmdline, pid_alive
+from tests.cluster.conftest import REPO, NetnsCluster, netns_pids, sh
 
 pytestmark = pytest.mark.slow
 
@@ -33,48 +36,85 @@ def assert_clean(cluster: NetnsCluster, timeout_s: float = 3.0) -> None:
     assert not left, "processes left behind:\n" + cluster.describe(left)
 
 
+def ssh_masters(cluster: NetnsCluster) -> set[int]:
+    """The launcher's SSH connections (ControlMaster processes) alive in the launching namespace."""
+    return {pid for pid in netns_pids(cluster.cli_ns) if "ControlMaster=yes" in cmdline(pid)}
+
+
+def control_dirs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("gl-ssh-*")) | set(Path("/tmp").glob("gl-ssh-*"))
+
+
 @pytest.fixture(scope="module")
 def matmul_run(netns_cluster, tmp_path_factory):
+    """A scaling run over two stages (world 3, then world 6) on the three hosts."""
     tmp = tmp_path_factory.mktemp("matmul3")
     cfg = netns_cluster.cluster_yaml(tmp / "cluster.yaml")
     nasty = NASTY.format(p=tmp)
+    out = netns_cluster.out_dir("matmul3")
+    logins = [netns_cluster.logins(h) for h in netns_cluster.hosts]
+    dirs = control_dirs()
     t0 = time.monotonic()
     done = netns_cluster.launch(
-        "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(tmp / "runs"), *TINY,
+        "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(out), *TINY,
+        "--set", "scaling.workers=[3,6]", "--set", "resources.cpu_workers=2",
         "--set", "entrypoint=tests.cluster.noted_matmul:run", "--set", f"env.PYTHONPATH={REPO}",
         "--set", f"params.note={json.dumps(nasty)}", "--set", f"env.GL_PROBE={json.dumps(nasty)}",
     )
     elapsed = time.monotonic() - t0
-    run_dirs = list((tmp / "runs" / "matmul_scaling").iterdir()) if (tmp / "runs" / "matmul_scaling").exists() else []
-    return done, run_dirs, tmp, nasty, elapsed
+    logins = [netns_cluster.logins(h) - n for h, n in zip(netns_cluster.hosts, logins)]
+    run_dirs = list((out / "matmul_scaling").iterdir()) if (out / "matmul_scaling").exists() else []
+    return done, run_dirs, tmp, nasty, elapsed, logins, control_dirs() - dirs
 
 
 def test_job_runs_across_three_hosts_with_ranks_host_by_host(matmul_run, netns_cluster):
-    done, run_dirs, _, _, elapsed = matmul_run
+    done, run_dirs, _, _, elapsed, _, _ = matmul_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run_dir,) = run_dirs
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "succeeded" and result["world_size"] == 3
-    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
-    assert [(r["rank"], r["host"], r["node_rank"], r["local_rank"]) for r in ranks] == [
-        (0, "h1", 0, 0), (1, "h2", 1, 0), (2, "h3", 2, 0),
-    ]
-    for r in ranks:
-        assert r["status"] == "ok" and r["device"] == "cpu" and r["world_size"] == 3
-        assert len(r["metrics"]["times_ms"]["matmul/64"]) == result["params"]["trials"]  # one time per trial
-        report = json.loads((run_dir / "world3" / "reports" / f"rank{r['rank']}.json").read_text())
-        assert report["host"] == r["host"]
-    print(f"3-host matmul job: {elapsed:.1f}s end to end")  # noqa: T201 - shown with -s
+    assert result["status"] == "succeeded" and result["world_sizes"] == [3, 6]
+    for world, per_host in ((3, 1), (6, 2)):
+        ranks = sorted((r for r in result["ranks"] if r["world_size"] == world), key=lambda r: r["rank"])
+        expected = [(k, f"h{k // per_host + 1}", k // per_host, k % per_host) for k in range(world)]
+        assert [(r["rank"], r["host"], r["node_rank"], r["local_rank"]) for r in ranks] == expected
+        for r in ranks:
+            assert r["status"] == "ok" and r["device"] == "cpu"
+            assert len(r["metrics"]["times_ms"]["matmul/64"]) == result["params"]["trials"]  # one time per trial
+            report = json.loads((run_dir / f"world{world}" / "reports" / f"rank{r['rank']}.json").read_text())
+            assert report["host"] == r["host"]
+    print(f"3-host matmul job, 2 stages: {elapsed:.1f}s end to end")  # noqa: T201 - shown with -s
+
+
+def test_one_ssh_login_per_host_per_run(matmul_run, netns_cluster):
+    """The preflight's login is the run's only one on each host: the port, both stages'
+    directories and agents, and the reports all reuse it; the control socket's directory is gone."""
+    done, _, _, _, _, logins, new_dirs = matmul_run
+    assert done.returncode == 0
+    assert logins == [1, 1, 1], f"SSH logins per host for one two-stage run: {logins}"
+    assert not new_dirs, f"control socket directories left: {new_dirs}"
+
+
+def test_reports_come_back_from_hosts_that_share_no_filesystem(matmul_run, netns_cluster):
+    """Each host wrote its ranks' reports into its own (private) run directory; the launcher's
+    copy has them all, and the launching host's files were never seen by the hosts."""
+    done, run_dirs, _, _, _, _, _ = matmul_run
+    assert done.returncode == 0
+    (run_dir,) = run_dirs
+    h2 = netns_cluster.hosts[1]
+    there = netns_cluster.on_host(h2, "ls", str(run_dir / "world6" / "reports")).stdout.split()
+    assert there == ["rank2.json", "rank3.json"], there  # h2's own ranks only
+    assert netns_cluster.on_host(h2, "test", "-e", str(run_dir / "spec.yaml")).returncode != 0
+    assert sorted(p.name for p in (run_dir / "world6" / "reports").glob("rank*.json")) == [f"rank{k}.json" for k in range(6)]
 
 
 def test_spec_values_reach_ranks_as_data_never_shell(matmul_run):
-    done, run_dirs, tmp, nasty, _ = matmul_run
+    done, run_dirs, tmp, nasty, _, _, _ = matmul_run
     assert done.returncode == 0
     assert not list(tmp.glob("pwned*")), "a spec value was run by a shell"
     worker = json.loads((run_dirs[0] / "world3" / "worker.json").read_text())
     assert worker["params"]["note"] == nasty
     result = json.loads((run_dirs[0] / "result.json").read_text())
-    assert sorted(r["host"] for r in result["ranks"] if r["result"]["note"] == nasty) == ["h1", "h2", "h3"]
+    assert sorted(r["host"] for r in result["ranks"] if r["world_size"] == 3 and r["result"]["note"] == nasty) == ["h1", "h2", "h3"]
     spec = (run_dirs[0] / "spec.yaml").read_text()
     assert "GL_PROBE" in spec
 
@@ -124,7 +164,7 @@ def sleeper_job(netns_cluster, tmp_path):
 
 def _start_sleeper(cluster: NetnsCluster, tmp: Path, cfg: Path) -> tuple[subprocess.Popen, dict[int, dict]]:
     proc = cluster.popen_launch(
-        str(tmp / "sleeper.yaml"), "--cluster", str(cfg), "--out", str(tmp / "runs"),
+        str(tmp / "sleeper.yaml"), "--cluster", str(cfg), "--out", str(runs_of(cluster, tmp)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 90
@@ -140,6 +180,11 @@ def _start_sleeper(cluster: NetnsCluster, tmp: Path, cfg: Path) -> tuple[subproc
                 infos[rank] = json.loads(path.read_text())
         time.sleep(0.1)
     return proc, infos
+
+
+def runs_of(cluster: NetnsCluster, tmp: Path) -> Path:
+    """The test's ``--out``: private to each host, like the rest of the run root."""
+    return cluster.out_dir(tmp.name)
 
 
 def _netns_of(pid: int) -> str:
@@ -168,7 +213,7 @@ def test_killed_rank_on_one_host_stops_every_host_within_seconds(netns_cluster, 
     assert stop_s < 10, f"launcher took {stop_s:.1f}s to exit after the kill"
     assert "rank 1 on h2" in out and "SIGKILL" in out, out[-3000:]
     assert "h2:1 hello from rank 1 on h2" in out  # logs stream back prefixed host:rank
-    (run_dir,) = (tmp / "runs" / "sleeper").iterdir()
+    (run_dir,) = (runs_of(netns_cluster, tmp) / "sleeper").iterdir()
     result = json.loads((run_dir / "result.json").read_text())
     root = result["failure"]["root_cause"]
     assert (root["host"], root["rank"], root["signal"]) == ("h2", 1, "SIGKILL"), result["failure"]
@@ -182,6 +227,8 @@ def test_killed_rank_on_one_host_stops_every_host_within_seconds(netns_cluster, 
 def test_ctrl_c_on_the_launcher_stops_every_host(netns_cluster, sleeper_job, clean_after):
     tmp, cfg, _ = sleeper_job
     proc, _ = _start_sleeper(netns_cluster, tmp, cfg)
+    masters = ssh_masters(netns_cluster)
+    assert len(masters) == 3, masters  # one connection per host
     try:
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -192,6 +239,7 @@ def test_ctrl_c_on_the_launcher_stops_every_host(netns_cluster, sleeper_job, cle
             proc.kill()
     assert proc.returncode == 130, out[-3000:]
     assert stop_s < 10, f"Ctrl-C took {stop_s:.1f}s"
+    assert not [pid for pid in masters if pid_alive(pid)], "an SSH master outlived the run"
     assert_clean(netns_cluster)
     print(f"Ctrl-C -> launcher exit: {stop_s:.2f}s")  # noqa: T201
 
@@ -201,12 +249,15 @@ def test_killed_launcher_leaves_nothing_on_any_host(netns_cluster, sleeper_job, 
     closes with it, each remote wrapper stops its agent and ranks, and the ssh clients exit."""
     tmp, cfg, _ = sleeper_job
     proc, infos = _start_sleeper(netns_cluster, tmp, cfg)
+    masters = ssh_masters(netns_cluster)
+    assert len(masters) == 3, masters
     t0 = time.monotonic()
     proc.kill()
     proc.communicate(timeout=30)
     left = netns_cluster.wait_clean(timeout_s=20)
     gone_s = time.monotonic() - t0
     assert not left, "processes left behind:\n" + netns_cluster.describe(left)
+    assert not [pid for pid in masters if pid_alive(pid)], "an SSH master outlived the launcher"
     assert gone_s < 15
     print(f"launcher SIGKILL -> every host clean: {gone_s:.2f}s")  # noqa: T201
 

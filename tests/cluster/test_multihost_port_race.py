@@ -16,9 +16,8 @@ import sys
 
 import pytest
 
-from tests.cluster.conftest import NetnsCluster
+from tests.cluster.conftest import REPO, NetnsCluster
 from tests.cluster.test_multihost import TINY, assert_clean
-from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -73,17 +72,18 @@ def port_held_on_first_host(netns_cluster: NetnsCluster):
 def test_a_port_lost_on_a_remote_host_is_replaced_there(netns_cluster, port_held_on_first_host, tmp_path, clean_after):
     taken, release_port = port_held_on_first_host
     cfg = netns_cluster.cluster_yaml(tmp_path / "cluster.yaml")
+    out = netns_cluster.out_dir(tmp_path.name)  # each host's run directory is its own
     done = subprocess.run(
         netns_cluster.ns_cmd(
             sys.executable, "-c", DRIVER, str(taken),
-            "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(tmp_path / "runs"), *TINY,
+            "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(out), *TINY,
         ),
         cwd=REPO, capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     handed = [int(line.split()[2]) for line in done.stderr.splitlines() if line.startswith("driver: port ")]
     assert handed[0] == taken and len(handed) == 2 and handed[1] != taken, done.stderr[-2000:]
-    (run_dir,) = (tmp_path / "runs" / "matmul_scaling").iterdir()
+    (run_dir,) = (out / "matmul_scaling").iterdir()
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "succeeded" and result["world_size"] == 3
     first = netns_cluster.hosts[0].address

@@ -72,7 +72,7 @@ def test_every_failing_host_is_named_and_nothing_starts(netns_cluster: NetnsClus
     )
     t0 = time.monotonic()
     done = netns_cluster.launch(
-        "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(tmp_path / "runs"), "--set", "resources.nodes=5"
+        "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(tmp_path / "runs"), "--set", "resources.nodes=5", "--set", "scaling.workers=[5]",
     )
     elapsed = time.monotonic() - t0
     assert done.returncode != 0

@@ -3,7 +3,8 @@ over both nodes and result.json names each rank's host.
 
 The Ray processes run with `--block` and their own temp dirs, so nothing touches another Ray on
 this machine (no `ray stop`: it would kill every Ray here); teardown kills what is left in our
-namespaces, by pid.
+namespaces, by pid. The worker node starts alongside the head (it waits for the head's GCS), and
+the fixture waits on the dashboard's node list, read from h1's namespace with a plain HTTP request.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ GCS_PORT, DASHBOARD_PORT = 6379, 8265
 
 
 def _ray_env(token: str) -> dict[str, str]:
-    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
+    # this venv's python first on PATH: a submitted job's entrypoint (`python -m launcher...`) runs
+    # with the node's PATH, as on a real cluster whose nodes have gpulaunch and Ray installed
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "PATH": path, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -49,33 +53,33 @@ def ray_two_nodes(netns_cluster: NetnsCluster, tmp_path_factory):
                     f"--temp-dir=/tmp/{PREFIX}-ray1", *common]
         procs.append(subprocess.Popen(netns_cluster.ns_cmd(*head_cmd, ns=h1.ns), env=_ray_env(token),
                                       stdout=open(logs / "head.log", "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115
-        _wait_for(lambda: _nodes_alive(netns_cluster, h1, token) >= 1, 90, logs / "head.log")
         worker_cmd = [RAY, "start", f"--address={h1.address}:{GCS_PORT}", f"--node-ip-address={h2.address}",
                       f"--temp-dir=/tmp/{PREFIX}-ray2", *common]
         procs.append(subprocess.Popen(netns_cluster.ns_cmd(*worker_cmd, ns=h2.ns), env=_ray_env(token),
                                       stdout=open(logs / "worker.log", "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115
-        _wait_for(lambda: _nodes_alive(netns_cluster, h1, token) >= 2, 90, logs / "worker.log")
-        yield netns_cluster, token, f"http://{h1.address}:{DASHBOARD_PORT}"
+        dashboard = f"http://{h1.address}:{DASHBOARD_PORT}"
+        _wait_for(lambda: _dashboard_nodes_alive(netns_cluster, h1, dashboard, token) >= 2, 90, procs, logs)
+        yield netns_cluster, token, dashboard
     finally:
         for ns in (h1.ns, h2.ns, netns_cluster.cli_ns):
-            _stop_namespace_processes(ns, keep=netns_cluster.sshd_pids())
+            _kill_namespace_processes(ns, keep=netns_cluster.sshd_pids())
         for proc in procs:
             proc.wait(10)
         for k in (1, 2):
             shutil.rmtree(f"/tmp/{PREFIX}-ray{k}", ignore_errors=True)
 
 
-def _stop_namespace_processes(ns: str, keep: set[int]) -> None:
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        pids = netns_pids(ns) - keep
+def _kill_namespace_processes(ns: str, keep: set[int]) -> None:
+    """SIGKILL, by pid, every process in ``ns`` but ``keep``: Ray's, all at once (on SIGTERM a
+    raylet whose GCS went first waits for it, seconds; nothing of these nodes outlives the test)."""
+    deadline = time.monotonic() + 5.0
+    while (pids := netns_pids(ns) - keep) and time.monotonic() < deadline:
         for pid in pids:
             try:
-                os.kill(pid, sig)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + wait
-        while netns_pids(ns) - keep and time.monotonic() < deadline:
-            time.sleep(0.1)
+        time.sleep(0.1)
 
 
 NODES_SNIPPET = """
@@ -94,16 +98,32 @@ def _alive_addresses(cluster: NetnsCluster, host, token: str) -> list[str]:
     return json.loads(line[6:]) if line else []
 
 
-def _nodes_alive(cluster: NetnsCluster, host, token: str) -> int:
-    return len(_alive_addresses(cluster, host, token))
+NODES_REST_SNIPPET = """
+import json, os, sys, urllib.request
+req = urllib.request.Request(sys.argv[1] + "/api/v0/nodes?limit=100", headers={"Authorization": "Bearer " + os.environ["RAY_AUTH_TOKEN"]})
+try:
+    nodes = json.loads(urllib.request.urlopen(req, timeout=5).read())["data"]["result"]["result"]
+except Exception:
+    nodes = []
+print(sum(n.get("state") == "ALIVE" for n in nodes))
+"""
 
 
-def _wait_for(predicate, timeout_s: float, log: Path) -> None:
+def _dashboard_nodes_alive(cluster: NetnsCluster, host, dashboard: str, token: str) -> int:
+    """The alive nodes as the head's dashboard lists them (0 until it answers); no Ray driver."""
+    done = subprocess.run(cluster.ns_cmd(sys.executable, "-c", NODES_REST_SNIPPET, dashboard, ns=host.ns),
+                          env=_ray_env(token), capture_output=True, text=True, timeout=30)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+
+
+def _wait_for(predicate, timeout_s: float, procs: list[subprocess.Popen], logs: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"Ray did not come up in {timeout_s}s:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(1)
+        exited = [p.returncode for p in procs if p.poll() is not None]
+        if exited or time.monotonic() > deadline:
+            text = "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in sorted(logs.glob("*.log")))
+            raise AssertionError(f"Ray did not come up ({f'exited {exited}' if exited else f'in {timeout_s}s'}):\n{text}")
+        time.sleep(0.5)
 
 
 def test_ray_cluster_spans_two_namespaces(ray_two_nodes):

@@ -1,6 +1,10 @@
 """What a Ray run may touch and how it ends: an embedded run kills only Ray's own processes (never
-the caller's other subprocesses), a signal to ``launch --address`` stops the submitted job, and
-``resources.nodes > 1`` is refused before anything is submitted."""
+the caller's other subprocesses), ``launch stop`` or a signal to ``launch --address`` stops the
+submitted job, and ``resources.nodes > 1`` is refused before anything is submitted.
+
+The three runs that are ended (by ``launch stop``, SIGTERM, SIGINT) are submitted side by side
+when the first of their tests starts (``sleeping_runs``): getting a Ray job to its running rank
+costs seconds of CPU, which they then spend together. Each test ends its own run and checks it."""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -22,6 +28,7 @@ pytestmark = pytest.mark.slow
 SMALL = ["params.sizes=[64]", "params.iters=3", "params.warmup=1", "scaling.workers=[1]"]
 
 
+@pytest.mark.usefixtures("no_ray_driver")
 def test_embedded_run_in_process_spares_the_callers_other_processes(tmp_path: Path) -> None:
     """A notebook or a service calling run_job keeps its own subprocesses; Ray's are all gone."""
     import launcher
@@ -43,47 +50,6 @@ def _jobs(head: RayHead) -> list[dict]:
     return head.rest("/api/jobs/")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_to_launch_address_stops_the_submitted_job(ray_head: RayHead, tmp_path: Path, sig: signal.Signals) -> None:
-    shutil.copy(REPO / "tests" / "integration" / "faulty.py", tmp_path / "faulty_job.py")
-    spec = tmp_path / "sleepy.yaml"
-    spec.write_text(
-        "name: sleepy\nentrypoint: faulty_job:run\nparams: {fault: sleep, sleep_s: 300}\nbackend: ray\n"
-        "resources: {cpu_workers: 1}\ntimeouts: {rendezvous_s: 60, run_s: 600}\n"
-    )
-    before = {j["submission_id"] for j in _jobs(ray_head)}
-    log = tmp_path / "launch.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "launcher", str(spec), "--address", ray_head.address, "--out", str(tmp_path / "out")],
-                                cwd=REPO, env={**ray_head.env, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"}, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline, job, rank_pid = time.monotonic() + 120, None, None
-        while time.monotonic() < deadline and rank_pid is None and proc.poll() is None:
-            new = [j for j in _jobs(ray_head) if j["submission_id"] not in before]
-            if new:
-                job = new[0]
-                found = re.search(r"faulty: rank 0 pid (\d+)", ray_head.rest(f"/api/jobs/{job['submission_id']}/logs")["logs"])
-                rank_pid = int(found.group(1)) if found else None
-            time.sleep(0.5)
-        assert job is not None and rank_pid is not None, f"the job never ran: {log.read_text()[-3000:]}"
-        job_id = job["submission_id"]
-        driver_pid = int(next(j for j in _jobs(ray_head) if j["submission_id"] == job_id)["driver_info"]["pid"])
-        assert pid_alive(rank_pid) and pid_alive(driver_pid)
-
-        proc.send_signal(sig)
-        code = proc.wait(120)
-        text = log.read_text()
-        assert code == 130, text[-3000:]
-        assert f"stopping Ray job {job_id}" in text, text[-3000:]
-        assert [j["status"] for j in _jobs(ray_head) if j["submission_id"] == job_id] == ["STOPPED"]
-        assert wait_gone([driver_pid, rank_pid], 60) == [], "a process of the stopped Ray job is still alive"
-        assert not ray_head.live_actors("sleepy-rank")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def test_several_nodes_with_address_is_refused_before_submitting(ray_head: RayHead, tmp_path: Path) -> None:
     before = {j["submission_id"] for j in _jobs(ray_head)}
     run = launch("jobs/matmul_scaling.yaml", "--backend", "ray", "--address", ray_head.address, "--set", "resources.nodes=2",
@@ -94,3 +60,98 @@ def test_several_nodes_with_address_is_refused_before_submitting(ray_head: RayHe
     assert "--cluster" not in run.stderr
     assert {j["submission_id"] for j in _jobs(ray_head)} == before, "a job was submitted"
     assert not any(tmp_path.iterdir())
+
+
+# --- runs of a sleeping job on the cluster, ended from outside ---------------------------------------
+
+
+@dataclass
+class SleepingRun:
+    """``launch JOB --address`` of a job whose one rank prints its pid and sleeps for 5 minutes."""
+
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+
+def _start_sleeping(head: RayHead, tmp: Path, name: str) -> SleepingRun:
+    # the job's own code lives in its directory (the working dir Ray ships), as a user's would
+    shutil.copy(REPO / "tests" / "integration" / "faulty.py", tmp / "faulty_job.py")
+    spec = tmp / f"{name}.yaml"
+    spec.write_text(
+        f"name: {name}\nentrypoint: faulty_job:run\nparams: {{fault: sleep, sleep_s: 300}}\nbackend: ray\n"
+        "resources: {cpu_workers: 1}\ntimeouts: {rendezvous_s: 60, run_s: 600}\n"
+    )
+    log = tmp / "launch.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", str(spec), "--address", head.address, "--out", str(tmp / "out")],
+                                cwd=REPO, env={**head.env, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp}"}, stdout=out, stderr=subprocess.STDOUT)
+    return SleepingRun(name, proc, log)
+
+
+@pytest.fixture(scope="module")
+def sleeping_runs(ray_head: RayHead, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SleepingRun]]:
+    runs = {key: _start_sleeping(ray_head, tmp_path_factory.mktemp(key), f"sleepy-{key.lower()}") for key in ("stop", "SIGTERM", "SIGINT")}
+    try:
+        yield runs
+    finally:  # a run whose test did not end it: SIGTERM makes launch stop its job, then it is killed
+        for run in runs.values():
+            if run.proc.poll() is None:
+                run.proc.terminate()
+        for run in runs.values():
+            try:
+                run.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                run.proc.kill()
+                run.proc.wait()
+
+
+def _running(head: RayHead, run: SleepingRun) -> tuple[dict, int]:
+    """The run's Ray job once its rank runs, and that rank's pid."""
+    deadline, job, rank_pid = time.monotonic() + 120, None, None
+    while time.monotonic() < deadline and rank_pid is None and run.proc.poll() is None:
+        mine = [j for j in _jobs(head) if (j.get("submission_id") or "").startswith(f"{run.name}-")]
+        if mine:
+            [job] = mine
+            assert job["status"] in ("PENDING", "RUNNING"), job.get("message")
+            found = re.search(r"faulty: rank 0 pid (\d+)", head.rest(f"/api/jobs/{job['submission_id']}/logs")["logs"])
+            rank_pid = int(found.group(1)) if found else None
+        if rank_pid is None:
+            time.sleep(0.5)
+    assert job is not None and rank_pid is not None, f"the job never ran: {run.text()[-3000:]}"
+    return job, rank_pid
+
+
+def test_launch_stop_ends_a_running_cluster_job(ray_head: RayHead, sleeping_runs: dict[str, SleepingRun]) -> None:
+    run = sleeping_runs["stop"]
+    job, _ = _running(ray_head, run)
+    job_id = job["submission_id"]
+    logs = launch("logs", job_id, "--address", ray_head.address, env=ray_head.env)
+    assert logs.returncode == 0 and "faulty: rank 0" in logs.stdout, logs.stderr
+    stop = launch("stop", job_id, "--address", ray_head.address, env=ray_head.env)
+    assert stop.returncode == 0, stop.stderr
+    assert "STOPPED" in stop.stdout
+    assert run.proc.wait(60) != 0
+    assert [j["status"] for j in _jobs(ray_head) if j["submission_id"] == job_id] == ["STOPPED"]
+    assert not ray_head.live_actors(f"{run.name}-rank")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_launch_address_stops_the_submitted_job(ray_head: RayHead, sleeping_runs: dict[str, SleepingRun], sig: signal.Signals) -> None:
+    run = sleeping_runs[sig.name]
+    job, rank_pid = _running(ray_head, run)
+    job_id = job["submission_id"]
+    driver_pid = int(next(j for j in _jobs(ray_head) if j["submission_id"] == job_id)["driver_info"]["pid"])
+    assert pid_alive(rank_pid) and pid_alive(driver_pid)
+
+    run.proc.send_signal(sig)
+    code = run.proc.wait(120)
+    text = run.text()
+    assert code == 130, text[-3000:]
+    assert f"stopping Ray job {job_id}" in text, text[-3000:]
+    assert [j["status"] for j in _jobs(ray_head) if j["submission_id"] == job_id] == ["STOPPED"]
+    assert wait_gone([driver_pid, rank_pid], 60) == [], "a process of the stopped Ray job is still alive"
+    assert not ray_head.live_actors(f"{run.name}-rank")
