@@ -44,7 +44,7 @@ from launcher.backends.transports import Transport
 from launcher.control.diagnosis import HOST_LOST
 from launcher.control.planning import NodeTarget
 from launcher.errors import EXIT_JOB_FAILED, BackendError, LauncherError
-from launcher.procutil import read_json, write_json_atomic
+from launcher.procutil import pid_alive, read_json, write_json_atomic
 from launcher.protocol import HOST_ANSWER_TAG, RankError, RankReport, RankStatus
 from launcher.runtime.devices import NodeInventory
 from launcher.runtime.hostagent import BEAT_LINE, BEAT_S, REMOTE_GRACE_S, SILENCE_S
@@ -337,9 +337,23 @@ class HostLink:
             thread.join(timeout=1)
 
 
-def _socket_root() -> str | None:
+def _socket_root() -> str:
     """Where the control sockets go: the temp dir, or /tmp where its path is too long for a socket."""
-    return None if len(tempfile.gettempdir()) <= 64 else "/tmp"
+    root = tempfile.gettempdir()
+    return root if len(root) <= 64 else "/tmp"
+
+
+def _socket_dir() -> Path:
+    """A new private (0700) directory for one run's control sockets, named after this process.
+    The empty ones left by launchers that were killed (their masters removed the sockets on the
+    way out) are removed on the way in."""
+    root = Path(_socket_root())
+    for old in root.glob("gl-ssh-*-*"):
+        pid = old.name.split("-")[2]
+        with contextlib.suppress(OSError, ValueError):
+            if old.stat().st_uid == os.getuid() and not pid_alive(int(pid)):
+                old.rmdir()  # only if empty: a socket in it means someone still uses it
+    return Path(tempfile.mkdtemp(prefix=f"gl-ssh-{os.getpid()}-", dir=root))
 
 
 class HostLinks:
@@ -363,7 +377,7 @@ class HostLinks:
             link = self._links.get(key)
             if link is None:
                 if self._dir is None:
-                    self._dir = Path(tempfile.mkdtemp(prefix="gl-ssh-", dir=_socket_root()))  # 0700: ours alone
+                    self._dir = _socket_dir()  # 0700: ours alone
                 link = HostLink(host, self._dir / str(len(self._links)))
                 link.open()
                 self._links[key] = link

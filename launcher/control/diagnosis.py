@@ -67,8 +67,12 @@ def explain_failure(
         collateral = tuple(
             r.rank for r in reports if not r.ok and r.rank not in stuck and r.rank not in lost and (root is None or r.rank != root.rank)
         )
+    if root is not None and root.type == HOST_LOST:
+        failed = _lost_hosts(root, reports, lost)
+    else:
+        failed = root.line() if root else detail or "the group ended without a rank report"
     summary = {
-        FailureReason.FAILED: _lost_hosts(root, reports, lost) if root and root.type == HOST_LOST else root.line() if root else detail or "the group ended without a rank report",
+        FailureReason.FAILED: failed,
         FailureReason.TIMEOUT: f"run exceeded timeouts.run_s={run_timeout_s:g}s; stuck ranks: {list(stuck) or 'none'}",
         FailureReason.INTERRUPTED: f"interrupted ({stop_reason or 'signal'})",
         FailureReason.NOT_STARTED: detail,

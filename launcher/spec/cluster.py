@@ -39,6 +39,8 @@ class HostDefaults(_Frozen):
     ssh_config: str | None = None  # -F FILE ("none": read no ssh config file)
     ssh_options: dict[str, str] = Field(default_factory=dict)  # extra -o Key=Value, e.g. ProxyJump
     connect_timeout_s: int = Field(10, ge=1, le=300)
+    # silence after which a host (or, to a host, the launcher) is lost: a cut link, a power loss
+    heartbeat_timeout_s: float = Field(5.0, ge=1, le=600)
 
     @field_validator("ssh_options", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.backends.ssh import _socket_dir
 from launcher.procutil import cmdline, pid_alive
 from tests.cluster.conftest import REPO, NetnsCluster, netns_pids, sh
 
@@ -259,6 +260,11 @@ def test_killed_launcher_leaves_nothing_on_any_host(netns_cluster, sleeper_job, 
     assert not left, "processes left behind:\n" + netns_cluster.describe(left)
     assert not [pid for pid in masters if pid_alive(pid)], "an SSH master outlived the launcher"
     assert gone_s < 15
+    # The masters removed their sockets on the way out; the empty directory goes at the next start.
+    dirs = [d for d in control_dirs() if d.name.startswith(f"gl-ssh-{proc.pid}-")]
+    assert all(not any(d.iterdir()) for d in dirs), dirs
+    _socket_dir().rmdir()
+    assert not [d for d in dirs if d.exists()], dirs
     print(f"launcher SIGKILL -> every host clean: {gone_s:.2f}s")  # noqa: T201
 
 
