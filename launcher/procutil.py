@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import subprocess
 import signal
 import socket
 import sys
@@ -289,3 +290,25 @@ def oom_kill_count(files: list[str] | None = None) -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal a process group (a child started with ``start_new_session``); gone is fine."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_groups(procs: list[Any], grace_s: float) -> None:
+    """SIGTERM each child's process group, wait up to ``grace_s`` in all, then SIGKILL the groups
+    of those still running and reap them (``procs``: ``subprocess.Popen`` objects)."""
+    for proc in procs:
+        signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()

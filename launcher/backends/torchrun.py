@@ -11,16 +11,13 @@ after a grace period, then SIGKILL to any worker still alive, by pid.
 from __future__ import annotations
 
 import functools
-import os
-import signal
 import subprocess
-import time
 
 from launcher.backends.base import Backend, BackendStatus, LaunchRequest
 from launcher.backends.transports import LOCAL, Transport
 from launcher.control.planning import NodeSlot, NodeTarget, StagePlan
 from launcher.errors import BackendError
-from launcher.procutil import kill_now, stage_worker_pids
+from launcher.procutil import kill_now, stage_worker_pids, stop_groups
 from launcher.protocol import LOG_PREFIX_SEPARATOR, PORT_IN_USE_EXIT
 from launcher.records import RankExit
 
@@ -164,16 +161,7 @@ class TorchrunBackend(Backend):
             live = [proc for _, t, proc in self._agents if t is transport and proc.poll() is None]
             if live:  # e.g. cut every SSH lifeline at once; returns when those hosts have stopped
                 transport.stop(live, grace_s)
-        running = [proc for _, _, proc in self._agents if proc.poll() is None]
-        for proc in running:
-            _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in running:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups([proc for _, _, proc in self._agents if proc.poll() is None], grace_s)
         # Belt and braces: workers also die with their agent (parent-death signal), but a rank
         # that outlived both is found by the pid and start time in its progress file.
         kill_now(list(stage_worker_pids(self.plan.stage_dir).values()))
@@ -185,10 +173,3 @@ class TorchrunBackend(Backend):
 
     def agent_pids(self) -> list[int]:
         return [proc.pid for _, _, proc in self._agents]
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -33,11 +33,12 @@ def test_an_embedded_ray_listens_on_loopback_only(tmp_path, monkeypatch):
     spec.write_text(SPEC)
     monkeypatch.syspath_prepend(str(REPO))
     seen: list[str] = []
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # another test's Ray head is not this run's
 
     class Watch(RunEvents):
         def progress(self, plan, progress):  # noqa: ANN001 - while the ranks run: every Ray process is up
             if not seen:
-                mine = {p.pid for p in psutil.Process().children(recursive=True)}
+                mine = {p.pid for p in psutil.Process().children(recursive=True)} - before
                 seen.extend(_listeners(mine))
 
     run = run_job(spec, out=tmp_path / "runs", events=Watch(), metrics=False)

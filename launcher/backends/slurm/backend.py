@@ -26,7 +26,7 @@ from launcher.backends.torchrun import TorchrunBackend, agent_argv
 from launcher.backends.transports import Transport
 from launcher.control.planning import NodeTarget
 from launcher.errors import BackendError, PlanError
-from launcher.procutil import read_json, write_json_atomic
+from launcher.procutil import read_json, signal_group, stop_groups, write_json_atomic
 from launcher.protocol import ENV_PARENT_PID, RankProgress, RankReport
 from launcher.runtime.devices import NodeInventory, discover
 
@@ -71,15 +71,7 @@ class SrunTransport(Transport):
     def stop(self, procs: Sequence[subprocess.Popen], grace_s: float) -> None:
         """SIGTERM makes each srun cancel its step (Slurm kills the agent and its ranks). An srun
         whose node is lost waits for an answer that never comes: SIGKILL it after SRUN_STOP_S."""
-        for proc in procs:
-            _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + min(grace_s, SRUN_STOP_S)
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(list(procs), min(grace_s, SRUN_STOP_S))
 
 
 SRUN = SrunTransport()
@@ -187,7 +179,7 @@ class SlurmBackend(TorchrunBackend):
     def stop(self, grace_s: float = 5.0) -> None:
         for node, _, proc in self._agents:  # the srun of a lost node would wait for an answer in vain
             if node.host in self._lost and proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
         super().stop(grace_s)
 
@@ -216,13 +208,6 @@ class SlurmBackend(TorchrunBackend):
                 )  # fmt: skip
                 write_json_atomic(self.plan.paths.report(slot.rank), report.to_dict())
             self.logs.route(f"gpulaunch: lost node {host} ({reason})", host)
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def lost_nodes(nodes: Sequence[NodeSlot]) -> dict[str, str]:
