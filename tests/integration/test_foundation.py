@@ -42,7 +42,7 @@ def test_matmul_scaling_runs_world_sizes_1_and_2(matmul_run):
     for r in ranks:
         assert r["device"] == "cpu" and r["host"] == socket.gethostname() and r["status"] == "ok"
         assert len(r["metrics"]["times_ms"]["matmul/64"]) == result["params"]["trials"]  # one time per trial
-        assert r["metrics"]["steps"] == 6  # 3 iters x 2 sizes, counted on the host
+        assert r["metrics"]["steps"] == 3 * 2 * result["params"]["trials"]  # 3 iters x 2 sizes per trial, counted on the host
         assert {"spawned", "imported", "joined", "pg_ready", "first_step", "finished"} <= set(r["phases"])
         assert r["phases"]["imported"] <= r["phases"]["joined"] <= r["phases"]["pg_ready"] <= r["phases"]["first_step"]
     rows = {(row["workers"], row["size"]): row for row in result["scaling"]}
