@@ -197,6 +197,7 @@ class RankProgress:
     t: float | None = None
     pid: int | None = None
     pid_start: float | int | None = None
+    work_s: float | None = None  # own work per step (not waiting for peers), recent mean
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "RankProgress":
@@ -210,4 +211,5 @@ class RankProgress:
             t=float(t) if isinstance(t, (int, float)) else None,
             pid=data.get("pid") if isinstance(data.get("pid"), int) else None,
             pid_start=data.get("pid_start"),
+            work_s=float(work) if isinstance(work := data.get("work_s"), (int, float)) else None,
         )

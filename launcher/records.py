@@ -134,6 +134,51 @@ class Failure:
         }
 
 
+@dataclass(frozen=True)
+class StragglerPolicy:
+    """When a rank counts as a straggler: its own work per step above ``factor`` times its peers'
+    median (and at least ``MIN_EXCESS_S`` above it) for ``hold_s`` seconds in a row."""
+
+    factor: float = 1.5
+    hold_s: float = 5.0
+    MIN_EXCESS_S = 0.001  # below a millisecond a ratio says nothing a user can act on
+
+
+@dataclass
+class Straggler:
+    """One rank flagged while its stage ran: who, where, how much slower, and for how long."""
+
+    rank: int
+    host: str
+    device: str
+    work_s: float  # the rank's own work per step when flagged (recent mean)
+    peers_median_s: float  # the other ranks' median at that moment
+    flagged_after_s: float  # seconds into the stage when the flag went up
+    peak_ratio: float = 0.0
+    cleared_after_s: float | None = None  # when it caught up again (None: flagged to the end)
+
+    @property
+    def ratio(self) -> float:
+        return self.work_s / self.peers_median_s if self.peers_median_s > 0 else float("inf")
+
+    def describe(self) -> str:
+        return (f"straggler: rank {self.rank} on {self.host} ({self.device}): own work {_ms(self.work_s)} per step "
+                f"vs {_ms(self.peers_median_s)} for its peers (median), {self.ratio:.1f}x")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "host": self.host, "device": self.device,
+            "work_s": round(self.work_s, 6), "peers_median_s": round(self.peers_median_s, 6),
+            "ratio": round(self.ratio, 3), "peak_ratio": round(max(self.peak_ratio, self.ratio), 3),
+            "flagged_after_s": round(self.flagged_after_s, 3),
+            "cleared_after_s": None if self.cleared_after_s is None else round(self.cleared_after_s, 3),
+        }  # fmt: skip
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 @dataclass
 class StageOutcome:
     """One stage (one world size) after it ended, as the run loop hands it to the results."""
@@ -148,6 +193,7 @@ class StageOutcome:
     failure: Failure | None = None
     rendezvous_port_in_use: bool = False
     load_avg: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # "start"/"end"
+    stragglers: list[Straggler] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

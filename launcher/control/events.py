@@ -26,6 +26,8 @@ class RankLive:
     phase: str
     steps: int
     beacon_t: float | None  # when the beacon was last written (the rank's own clock)
+    work_s: float | None = None  # own work per step apart from waiting for peers, recent mean
+    straggler: bool = False  # flagged by the run loop's straggler watch
 
 
 @dataclass(frozen=True)

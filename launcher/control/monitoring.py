@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from launcher.control.events import RunEvents, StageProgress
+from launcher.control.events import RankLive, RunEvents, StageProgress
 from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample, default_sd_dir
 
 if TYPE_CHECKING:
@@ -37,10 +37,11 @@ class MetricsEvents(RunEvents):
         self.endpoint.close()
 
     def progress(self, plan: StagePlan, progress: StageProgress) -> None:
-        ranks = tuple(self._sample(progress.world_size, r.rank, r.host, r.phase, r.steps, r.beacon_t) for r in progress.ranks)
+        ranks = tuple(self._sample(progress.world_size, r) for r in progress.ranks)
         self.endpoint.update(StageSample(self.job, self.run_id, self.backend, progress.world_size, progress.restarts, ranks, self.samples_per_step))
 
-    def _sample(self, world: int, rank: int, host: str, phase: str, steps: int, t: float | None) -> RankSample:
+    def _sample(self, world: int, live: RankLive) -> RankSample:
+        rank, steps, t = live.rank, live.steps, live.beacon_t
         key = (world, rank)
         before = self._last.get(key)
         if t is not None and before is not None and steps > before[1] and t > before[0]:
@@ -48,7 +49,8 @@ class MetricsEvents(RunEvents):
         if t is not None and (before is None or steps != before[1]):
             self._last[key] = (t, steps)
         step_s = self._step_s.get(key)
-        return RankSample(rank=rank, node=host, state=phase, steps=steps, last_step_s=step_s, mean_step_s=step_s)
+        return RankSample(rank=rank, node=live.host, state=live.phase, steps=steps, last_step_s=step_s, mean_step_s=step_s,
+                          work_s=live.work_s, straggler=live.straggler)
 
     def stage_finished(self) -> None:
         self.endpoint.clear()

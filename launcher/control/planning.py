@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from launcher.errors import PlanError
 from launcher.masking import mask_env
+from launcher.records import StragglerPolicy
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_STAGE_DIR, StagePaths, WorkerConfig
 from launcher.runtime.devices import GpuInfo, NodeInventory
 
@@ -90,6 +91,7 @@ class StagePlan:
     spec_env: Mapping[str, str] = field(default_factory=dict)
     # how a backend that places ranks itself (Ray) spreads them: pack | spread | strict_pack | strict_spread
     placement: str = "pack"
+    stragglers: StragglerPolicy = StragglerPolicy()
 
     @property
     def stage_dir(self) -> Path:
@@ -300,6 +302,7 @@ def plan_stage(
         max_restarts=spec.max_restarts,
         spec_env=spec.env,
         placement=spec.ray.placement,
+        stragglers=StragglerPolicy(spec.monitoring.straggler_factor, spec.monitoring.straggler_hold_s),
     )
 
 

@@ -20,6 +20,7 @@ from launcher.control.diagnosis import explain_failure, is_peer_loss
 from launcher.control.events import RankLive, RunEvents, StageProgress
 from launcher.control.logrouting import LogRouter
 from launcher.control.planning import StagePlan
+from launcher.control.stragglers import StragglerWatch
 from launcher.masking import redact_document, scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import RankError, RankProgress, RankReport, RankStatus
@@ -110,9 +111,10 @@ def _run_attempt(plan: StagePlan, backend_cls: type[Backend], *, stop: StopReque
     logs = LogRouter(plan.paths.logs, events.rank_output, secrets=secrets)
     backend = backend_cls(plan, logs)
     t0 = time.time()
+    stragglers = StragglerWatch(plan.ranks, plan.stragglers)
     try:
         backend.start()
-        watch = _watch(plan, backend, stop=stop, events=events, t0=t0, restarts=restarts)
+        watch = _watch(plan, backend, stop=stop, events=events, t0=t0, restarts=restarts, stragglers=stragglers)
     finally:
         backend.stop()
         backend.collect()
@@ -123,7 +125,7 @@ def _run_attempt(plan: StagePlan, backend_cls: type[Backend], *, stop: StopReque
     fate = watch.fate
     if fate == RunStatus.SUCCEEDED and any(not r.ok for r in reports):
         fate = RunStatus.FAILED
-    outcome = StageOutcome(plan.world_size, fate, t0, time.time(), script=plan.script_mode, reports=reports)
+    outcome = StageOutcome(plan.world_size, fate, t0, time.time(), script=plan.script_mode, reports=reports, stragglers=stragglers.flagged)
     if fate != RunStatus.SUCCEEDED:
         reason = {RunStatus.TIMEOUT: FailureReason.TIMEOUT, RunStatus.INTERRUPTED: FailureReason.INTERRUPTED}.get(fate, FailureReason.FAILED)
         outcome.failure = explain_failure(
@@ -133,7 +135,9 @@ def _run_attempt(plan: StagePlan, backend_cls: type[Backend], *, stop: StopReque
     return outcome
 
 
-def _watch(plan: StagePlan, backend: Backend, *, stop: StopRequest, events: RunEvents, t0: float, restarts: int) -> _Watch:
+def _watch(
+    plan: StagePlan, backend: Backend, *, stop: StopRequest, events: RunEvents, t0: float, restarts: int, stragglers: StragglerWatch
+) -> _Watch:
     """Poll until the group ends, a rank fails, the run times out or a stop is asked for."""
     deadline = time.monotonic() + plan.run_timeout_s
     failed_at: float | None = None
@@ -157,7 +161,10 @@ def _watch(plan: StagePlan, backend: Backend, *, stop: StopRequest, events: RunE
             time.sleep(STACK_DUMP_WAIT_S)
             return _Watch(RunStatus.TIMEOUT)
         if time.monotonic() >= next_progress:
-            events.progress(plan, stage_progress(plan, t0, restarts))
+            progress, changes = stragglers.update(stage_progress(plan, t0, restarts))
+            for change in changes:
+                events.message(change.describe())
+            events.progress(plan, progress)
             next_progress = time.monotonic() + PROGRESS_EVERY_S
         time.sleep(POLL_S)
 
@@ -178,7 +185,7 @@ def stage_progress(plan: StagePlan, t0: float, restarts: int = 0) -> StageProgre
     for slot in plan.ranks:
         beacon = RankProgress.from_dict(read_json(plan.paths.progress(slot.rank)))
         phases[beacon.phase] = phases.get(beacon.phase, 0) + 1
-        ranks.append(RankLive(slot.rank, slot.host, beacon.phase, beacon.steps, beacon.t))
+        ranks.append(RankLive(slot.rank, slot.host, beacon.phase, beacon.steps, beacon.t, beacon.work_s))
     return StageProgress(plan.world_size, time.time() - t0, tuple(ranks), restarts, phases)
 
 

@@ -63,6 +63,8 @@ def _stage_doc(stage: StageOutcome) -> dict[str, Any]:
         "wall_s": round(stage.ended_at - stage.started_at, 4),
         "phases": stage_phases(stage.started_at, stage.reports, script=stage.script),
         "failure": stage.failure.to_dict() if stage.failure else None,
+        # ranks whose own work per step stayed well above their peers' (synchronous jobs), live
+        "stragglers": [s.to_dict() for s in stage.stragglers],
     }
     if stage.load_avg:
         doc["load_avg"] = {k: list(v) for k, v in stage.load_avg.items()}

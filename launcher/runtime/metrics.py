@@ -13,7 +13,9 @@ from __future__ import annotations
 import numbers
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+
+from launcher.runtime.workclock import WorkClock
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +33,8 @@ class MetricsRecorder:
         self._step_hooks: list[Callable[[int, float], None]] = []
         self._last_step_t = time.perf_counter()
         self._use_events = device.type == "cuda"
+        # own work per step apart from waiting for peers (straggler detection): DDP's hook or ``work()``
+        self.work_clock = WorkClock(use_events=self._use_events)
 
     # --- inside the loop: no host sync -----------------------------------------------------------
     def log(self, name: str, value: "torch.Tensor | float | int") -> None:
@@ -72,6 +76,12 @@ class MetricsRecorder:
             yield
             self._host_times_ms.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
 
+    def work(self) -> ContextManager[None]:
+        """Mark a block of this rank's own work (no collective inside) for straggler detection:
+        ``with ctx.metrics.work(): loss = step(batch)``. A step's blocks (up to ``step()``) add up to
+        its own work. DDP models need none of this: the runtime times them through a comm hook."""
+        return self.work_clock.section()
+
     def add_time_ms(self, name: str, ms: float) -> None:
         """Record a duration measured elsewhere (e.g. a host clock around synchronised work)."""
         self._host_times_ms.setdefault(name, []).append(float(ms))
@@ -79,6 +89,7 @@ class MetricsRecorder:
     def step(self) -> None:
         """Count a step: a host integer, never a device sync (the progress display reads it)."""
         self.steps += 1
+        self.work_clock.step()
         now = time.perf_counter()
         if self.steps == 1 and self._on_first_step is not None:
             self._on_first_step()

@@ -55,6 +55,7 @@ class ProgressBeacon:
         self.path = path
         self.phase = "starting"
         self.steps: Callable[[], int] = lambda: 0
+        self.work_s: Callable[[], float | None] = lambda: None  # own work per step, recent mean
         self._stop = threading.Event()
         self._interval = interval_s
         self._identity = {"pid": os.getpid(), "pid_start": process_start_ticks()}  # see stage_worker_pids
@@ -66,7 +67,11 @@ class ProgressBeacon:
 
     def write(self) -> None:
         try:
-            write_json_atomic(self.path, {**self._identity, "phase": self.phase, "steps": self.steps(), "t": time.time()})
+            beacon = {**self._identity, "phase": self.phase, "steps": self.steps(), "t": time.time()}
+            work_s = self.work_s()
+            if work_s is not None:
+                beacon["work_s"] = round(work_s, 6)
+            write_json_atomic(self.path, beacon)
         except OSError:
             pass  # progress is best effort; the report is what counts
 
@@ -122,6 +127,7 @@ class _Rank:
         self.beacon = ProgressBeacon(self.paths.progress(self.report.rank))
         self.recorder: Any = None
         self.dist: Any = None
+        self.undo_ddp_timing: Callable[[], None] = lambda: None
 
     def prepare(self, step_hooks: Sequence[Callable[[int, float], None]]) -> tuple[Any, Any]:
         """Import torch and the job, pick the device, make the recorder: (entry function, device)."""
@@ -143,6 +149,9 @@ class _Rank:
             recorder.add_step_hook(hook)
         self.recorder = recorder
         self.beacon.steps = lambda: recorder.steps
+        self.beacon.work_s = recorder.work_clock.recent_mean
+        if self.report.world_size > 1:  # every DDP model the job builds reports its own work per step
+            self.undo_ddp_timing = _time_ddp_models(recorder.work_clock)  # undone in finish()
         return entry, device
 
     def join_group(self, device: Any) -> None:
@@ -179,6 +188,7 @@ class _Rank:
     def finish(self) -> None:
         """Metrics to the host (kept for a failed rank too), the report written atomically."""
         self.phases["finished"] = time.time()
+        self.undo_ddp_timing()  # a Ray actor may run another rank in this process
         if self.recorder is not None:
             try:
                 self.report.metrics = self.recorder.to_host()
@@ -230,6 +240,17 @@ def run_rank(
     finally:
         rank.finish()
     return rank.report
+
+
+def _time_ddp_models(clock: Any) -> Callable[[], None]:
+    """Straggler detection's DDP timing; a torch whose DDP this cannot wrap runs the job untimed."""
+    from launcher.runtime.workclock import install_ddp_timing
+
+    try:
+        return install_ddp_timing(clock)
+    except (AttributeError, KeyError, ImportError) as exc:
+        print(f"gpulaunch: DDP models not timed for straggler detection ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return lambda: None
 
 
 def _load_entrypoint(entrypoint: str) -> Callable[[Any], Any]:

@@ -113,12 +113,28 @@ def summary_renderables(result: Mapping[str, Any], *, traceback_shown: bool = Fa
         out.append(_FittedTable(str(summary.get("title") or "summary"), columns, rows))
     for line in summary.get("conclusions", ()):
         out.append(Text(f"• {line}"))
+    out.extend(_straggler_lines(result["stages"]))
     if summary.get("error"):
         out.append(Text(f"the job's summary failed: {summary['error']}", style="yellow"))
     if result.get("plot_error"):
         out.append(Text(f"the job's plots failed: {result['plot_error']}", style="yellow"))
     if result.get("failure"):
         out.extend(failure_renderables(result["failure"], traceback_shown=traceback_shown))
+    return out
+
+
+def _straggler_lines(stages: list[Mapping[str, Any]]) -> list[Text]:
+    """One line per rank flagged as a straggler in any stage (result.json: stages[].stragglers)."""
+    out = []
+    for stage in stages:
+        for s in stage.get("stragglers") or ():
+            held = "to the end" if s.get("cleared_after_s") is None else f"until {s['cleared_after_s']:.0f} s"
+            out.append(Text(
+                f"straggler (world {stage['world_size']}): rank {s['rank']} on {s['host']} ({s['device']}), own work "
+                f"{s['work_s'] * 1e3:.1f} ms per step vs {s['peers_median_s'] * 1e3:.1f} ms for its peers "
+                f"(up to {s['peak_ratio']:.1f}x), from {s['flagged_after_s']:.0f} s {held}",
+                style="yellow",
+            ))  # fmt: skip
     return out
 
 
@@ -386,7 +402,9 @@ class RunUI(RunEvents):
         phases = ", ".join(f"{n} {p}" for p, n in sorted(progress.phases.items()))
         low, high = progress.steps_min, progress.steps_max
         steps = high if low == high else f"{low}-{high}"
-        self._live.update(Text(f"  world {plan.world_size} · {phases} · steps {steps} · {progress.elapsed_s:.1f}s", style="dim"))
+        slow = [str(r.rank) for r in progress.ranks if r.straggler]
+        flagged = f" · straggler: rank {', '.join(slow)}" if slow else ""
+        self._live.update(Text(f"  world {plan.world_size} · {phases} · steps {steps}{flagged} · {progress.elapsed_s:.1f}s", style="dim"))
 
     def stage_finished(self) -> None:
         if self._live is not None:

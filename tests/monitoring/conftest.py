@@ -55,6 +55,12 @@ class Prometheus:
         assert data["resultType"] == "vector", data
         return data["result"]
 
+    def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0) -> list[dict[str, Any]]:
+        """A range query's matrix: [{"metric": {...}, "values": [[t, "v"], ...]}, ...]."""
+        data = self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step_s:g}")
+        assert data["resultType"] == "matrix", data
+        return data["result"]
+
     def active_targets(self) -> list[dict[str, Any]]:
         return self.api("targets", state="active")["activeTargets"]
 

@@ -1,0 +1,150 @@
+"""Straggler detection in pieces: the rank-side work clock (sections, and DDP's comm hook on a
+real one-process gloo group) and the launcher-side watch fed scripted progress readings."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from launcher.control.events import RankLive, StageProgress
+from launcher.control.planning import RankSlot
+from launcher.control.stragglers import StragglerWatch
+from launcher.records import StragglerPolicy
+from launcher.runtime.metrics import MetricsRecorder
+from launcher.runtime.workclock import WorkClock, install_ddp_timing
+
+SLOTS = tuple(RankSlot(k, k % 2, k // 2, f"node-{k // 2}", f"cuda:{k % 2}") for k in range(4))
+
+
+def reading(elapsed_s: float, work: dict[int, float | None], phase: str = "running") -> StageProgress:
+    ranks = tuple(RankLive(k, SLOTS[k].host, phase, 10, None, work.get(k)) for k in range(4))
+    return StageProgress(4, elapsed_s, ranks)
+
+
+def feed(watch: StragglerWatch, seconds: float, work: dict[int, float | None], start: float = 0.0):
+    """Readings every 0.5 s for ``seconds``; the changes they caused and the last reading."""
+    changes, last = [], None
+    t = start
+    while t <= start + seconds + 1e-9:
+        last, new = watch.update(reading(t, work))
+        changes.extend(new)
+        t += 0.5
+    return changes, last
+
+
+def test_a_rank_well_above_its_peers_for_the_hold_time_is_flagged_once_and_named():
+    watch = StragglerWatch(SLOTS, StragglerPolicy(factor=1.5, hold_s=2.0))
+    changes, last = feed(watch, 1.5, {0: 0.010, 1: 0.011, 2: 0.030, 3: 0.010})
+    assert changes == [] and not any(r.straggler for r in last.ranks)  # not yet held long enough
+    changes, last = feed(watch, 3.0, {0: 0.010, 1: 0.011, 2: 0.032, 3: 0.010}, start=2.0)
+    assert [(c.straggler.rank, c.cleared) for c in changes] == [(2, False)]
+    flagged = changes[0].straggler
+    assert (flagged.host, flagged.device, flagged.flagged_after_s) == ("node-1", "cuda:0", 2.0)
+    assert flagged.peers_median_s == pytest.approx(0.010) and flagged.ratio == pytest.approx(3.2)
+    assert "rank 2 on node-1 (cuda:0)" in changes[0].describe()
+    assert [r.rank for r in last.ranks if r.straggler] == [2]
+
+
+def test_a_flag_comes_down_when_the_rank_catches_up_and_the_record_says_when():
+    watch = StragglerWatch(SLOTS, StragglerPolicy(factor=1.5, hold_s=1.0))
+    feed(watch, 2.0, {0: 0.01, 1: 0.05, 2: 0.01, 3: 0.01})
+    changes, last = feed(watch, 1.0, {0: 0.01, 1: 0.012, 2: 0.01, 3: 0.01}, start=2.5)
+    assert [(c.straggler.rank, c.cleared) for c in changes] == [(1, True)]
+    assert not any(r.straggler for r in last.ranks)
+    (record,) = watch.flagged
+    assert record.to_dict()["cleared_after_s"] == 2.5 and record.to_dict()["peak_ratio"] == 5.0
+
+
+def test_noise_short_bursts_tiny_times_and_missing_figures_flag_no_one():
+    watch = StragglerWatch(SLOTS, StragglerPolicy(factor=1.5, hold_s=2.0))
+    for t in range(20):  # a rank that is slow every other second never stays above for 2 s
+        watch.update(reading(t * 0.5, {0: 0.01, 1: 0.03 if t % 3 else 0.01, 2: 0.01, 3: 0.01}))
+    # 0.3 ms against 0.1 ms: three times, but far below a millisecond of difference
+    feed(watch, 5.0, {0: 0.0001, 1: 0.0003, 2: 0.0001, 3: 0.0001}, start=10.0)
+    # ranks with no figure yet (first steps, a script with no DDP) are left out, not judged as 0
+    feed(watch, 5.0, {0: 0.02, 1: None, 2: None, 3: None}, start=16.0)
+    assert watch.flagged == []
+
+
+def test_ranks_not_running_are_not_judged():
+    watch = StragglerWatch(SLOTS, StragglerPolicy(factor=1.5, hold_s=0.0))
+    last, _ = watch.update(reading(5.0, {0: 0.01, 1: 0.1, 2: 0.01, 3: 0.01}, phase="finished"))
+    assert watch.flagged == [] and not any(r.straggler for r in last.ranks)
+
+
+def test_work_sections_of_a_step_add_up_and_make_one_sample():
+    recorder = MetricsRecorder(torch.device("cpu"))
+    for _ in range(3):
+        with recorder.work():
+            time.sleep(0.01)
+        time.sleep(0.03)  # waiting for peers: not own work
+        with recorder.work():
+            time.sleep(0.01)
+        recorder.step()
+    mean = recorder.work_clock.recent_mean()
+    assert mean is not None and 0.019 < mean < 0.035, mean
+
+
+def test_no_sample_until_a_step_has_work():
+    clock = WorkClock()
+    assert clock.recent_mean() is None
+    clock.step()
+    assert clock.recent_mean() is None
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def train(model: torch.nn.Module, steps: int, between_s: float) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        time.sleep(between_s)  # own work outside forward/backward (data loading, say)
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+
+
+def test_ddp_models_are_timed_through_a_comm_hook_with_no_change_to_the_job(one_rank_group):
+    clock = WorkClock()
+    undo = install_ddp_timing(clock)
+    try:
+        model = DDP(torch.nn.Linear(8, 8))
+        train(model, steps=4, between_s=0.02)
+    finally:
+        undo()
+    mean = clock.recent_mean()
+    # three measured steps (the first has no start), each holding the 20 ms of "data loading"
+    assert mean is not None and 0.02 <= mean < 0.06, mean
+    # gradients are still averaged: the hook does what DDP's own all-reduce does
+    assert all(p.grad is not None for p in model.parameters())
+    assert DDP.forward.__qualname__ == "DistributedDataParallel.forward"  # undone
+
+
+def test_a_jobs_own_comm_hook_is_wrapped_not_replaced(one_rank_group):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = []
+
+    def my_hook(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    clock = WorkClock()
+    undo = install_ddp_timing(clock)
+    try:
+        model = DDP(torch.nn.Linear(8, 8))
+        model.register_comm_hook(None, my_hook)
+        train(model, steps=3, between_s=0.01)
+    finally:
+        undo()
+    assert len(calls) >= 3  # the job's hook ran every step
+    assert clock.recent_mean() is not None  # and the steps were timed around it
