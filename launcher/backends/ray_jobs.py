@@ -6,7 +6,9 @@ working dir, ``python -m launcher.control.submitted ray SPEC`` the entrypoint, a
 connects to that cluster instead of embedding one. The job's logs stream to the console; at the
 end the cluster-side launcher prints its run directory as a tagged, checksummed bundle in its last
 log lines, which is unpacked under the user's ``--out`` so ``result.json`` is where it would be
-after a local run. Token auth (``RAY_AUTH_TOKEN`` / ``~/.ray/auth_token``) is honoured, never
+after a local run. While it runs, the launcher inside also writes tagged event lines (a stage starts,
+its progress about once a second, it ends), which the submitting side turns back into the run's
+events (the console's live line) and never shows as the job's output. Token auth (``RAY_AUTH_TOKEN`` / ``~/.ray/auth_token``) is honoured, never
 switched off.
 """
 
@@ -26,9 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TextIO, Union
 
-from launcher.control.events import RunEvents
+from launcher.control.events import PlainEvents, RankLive, RunEvents, StageProgress
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, LauncherError
 from launcher.procutil import handling_stop_signals
 from launcher.protocol import ENV_RAY_CONNECT as CONNECT_ENV
@@ -36,11 +38,14 @@ from launcher.records import new_run_id
 from launcher.results.store import RunResult, load_result, write_result
 
 if TYPE_CHECKING:
+    from launcher.control.planning import StagePlan
     from launcher.spec.model import LoadedJob
 
 SPEC_FILE = "_gpulaunch_job.yaml"
 BUNDLE_TAG = "@gpulaunch-bundle "
 BUNDLE_END = "@gpulaunch-bundle-end "
+EVENT_TAG = "@gpulaunch-event "  # the launcher inside the job: a stage starts, its progress, it ends (JSON)
+LOG_PROGRESS_EVERY_S = 1.0  # the job's log is fetched whole at every poll: one progress line a second at most
 CHUNK = 16_000
 MAX_BUNDLED_FILE = 1024**2  # larger files (checkpoints) stay on the cluster instead of flooding the job's log
 LEFT_FILE = "left_on_cluster.json"
@@ -136,7 +141,11 @@ def submit_and_wait(job: LoadedJob, *, address: str, out: str | Path, events: Ru
         with _signals_interrupt():
             job_id = _submit(jobs, job, job_id, metadata, address)
             events.message(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})")
-            status, logs = _follow(jobs, job_id, echo=events.rank_output)
+            replay = LogReplay(events)
+            try:
+                status, logs = _follow(jobs, job_id, feed=replay.feed)
+            finally:
+                replay.close()  # the live line goes before anything else is said (an interrupt)
     except _Interrupted as exc:
         _stop_after_interrupt(jobs, job_id, exc.signame, events)
         status, logs = _status(jobs, job_id), jobs.get_job_logs(job_id)
@@ -235,20 +244,18 @@ def _exit_code(info: Any) -> int:
     return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED) else EXIT_JOB_FAILED
 
 
-def _follow(jobs: Any, job_id: str, *, echo: Callable[[str, str], None] | None) -> tuple[str, str]:
-    """Pass new log lines to ``echo`` until the job ends; return its final status and complete log."""
+def _follow(jobs: Any, job_id: str, *, feed: Callable[[str], None]) -> tuple[str, str]:
+    """Pass the log's new whole lines to ``feed`` until the job ends; return its final status and complete log."""
     shown = 0
     while True:
         status = _status(jobs, job_id)
         logs = jobs.get_job_logs(job_id)
         complete = logs[: logs.rfind("\n") + 1]  # whole lines only; the rest comes next time
-        if echo:
-            _echo_lines(complete[shown:], echo)
+        feed(complete[shown:])
         shown = len(complete)
         if status in TERMINAL:
             logs = jobs.get_job_logs(job_id)
-            if echo:
-                _echo_lines(logs[shown:], echo)
+            feed(logs[shown:])
             return status, logs
         time.sleep(POLL_S)
 
@@ -259,17 +266,30 @@ def _status(jobs: Any, job_id: str) -> str:
 
 
 def job_log_lines(text: str) -> list[str]:
-    """The job's log lines a person reads: the result bundle's lines left out."""
-    return [line for line in text.splitlines() if not line.startswith((BUNDLE_TAG, BUNDLE_END))]
+    """The job's log lines a person reads: the result bundle's and the event lines left out, but
+    a stage's start shown as its title line."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(EVENT_TAG):
+            event = parse_event(line)
+            if isinstance(event, StageStart):
+                out.append(event.title)
+        elif not line.startswith((BUNDLE_TAG, BUNDLE_END)):
+            out.append(line)
+    return out
 
 
 def _echo_lines(text: str, echo: Callable[[str, str], None]) -> None:
     for line in job_log_lines(text):
-        source, sep, rest = line.partition(" ")
-        if sep and ":" in source:  # "host:rank text", as the launcher inside printed it
-            echo(source, rest)
-        else:
-            echo("", line)  # the launcher's own lines inside the job
+        _echo_line(line, echo)
+
+
+def _echo_line(line: str, echo: Callable[[str, str], None]) -> None:
+    source, sep, rest = line.partition(" ")
+    if sep and ":" in source:  # "host:rank text", as the launcher inside printed it
+        echo(source, rest)
+    else:
+        echo("", line)  # the launcher's own lines inside the job
 
 
 def _stop_and_wait(jobs: Any, job_id: str, timeout_s: float = 60.0) -> str:
@@ -283,6 +303,151 @@ def _stop_and_wait(jobs: Any, job_id: str, timeout_s: float = 60.0) -> str:
         time.sleep(POLL_S)
         status = _status(jobs, job_id)
     return status
+
+
+# --- the run's events through the job's log: cluster side and client side --------------------------
+
+
+@dataclass(frozen=True)
+class StageStart:
+    """A stage starts inside the job: the arguments of ``RunEvents.stage_started``."""
+
+    job: str
+    world_size: int
+    device_type: str
+    backend: str
+
+    @property
+    def title(self) -> str:
+        return f"{self.job}: world size {self.world_size} on {self.device_type} ({self.backend})"
+
+
+@dataclass(frozen=True)
+class StageEnd:
+    """The stage inside the job ended."""
+
+
+JobEvent = Union[StageStart, StageProgress, StageEnd]
+
+
+def encode_event(event: JobEvent) -> str:
+    """One tagged line of the job's log for ``event`` (compact JSON: it is fetched again at every poll)."""
+    if isinstance(event, StageStart):
+        data: dict[str, Any] = {"event": "stage", "job": event.job, "world_size": event.world_size,
+                                "device_type": event.device_type, "backend": event.backend}  # fmt: skip
+    elif isinstance(event, StageProgress):
+        data = _progress_payload(event)
+    else:
+        data = {"event": "stage_end"}
+    return EVENT_TAG + json.dumps(data, separators=(",", ":"))
+
+
+def _progress_payload(progress: StageProgress) -> dict[str, Any]:
+    # each host once; a rank names its host by index: [rank, host, phase, steps, beacon_t, work_s, straggler]
+    hosts: dict[str, int] = {}
+    ranks = [
+        [r.rank, hosts.setdefault(r.host, len(hosts)), r.phase, r.steps, _rounded(r.beacon_t, 3), _rounded(r.work_s, 6), int(r.straggler)]
+        for r in progress.ranks
+    ]
+    return {"event": "progress", "world_size": progress.world_size, "elapsed_s": round(progress.elapsed_s, 2),
+            "restarts": progress.restarts, "hosts": list(hosts), "ranks": ranks}  # fmt: skip
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def parse_event(line: str) -> JobEvent | None:
+    """The event a tagged line stands for; None for any other line, and for a tagged line that
+    does not parse (cut short): it is bookkeeping either way, never the job's output."""
+    if not line.startswith(EVENT_TAG):
+        return None
+    try:
+        data = json.loads(line[len(EVENT_TAG) :])
+        kind = data["event"]
+        if kind == "stage":
+            return StageStart(str(data["job"]), int(data["world_size"]), str(data["device_type"]), str(data["backend"]))
+        if kind == "progress":
+            return _progress_of(data)
+        return StageEnd() if kind == "stage_end" else None
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _progress_of(data: dict[str, Any]) -> StageProgress:
+    hosts = [str(h) for h in data["hosts"]]
+    ranks = tuple(
+        RankLive(int(rank), hosts[host], str(phase), int(steps), _float(beacon_t), _float(work_s), bool(straggler))
+        for rank, host, phase, steps, beacon_t, work_s, straggler in data["ranks"]
+    )
+    phases: dict[str, int] = {}
+    for r in ranks:  # as the run loop counts them: derived, so the line need not carry them
+        phases[r.phase] = phases.get(r.phase, 0) + 1
+    return StageProgress(int(data["world_size"]), float(data["elapsed_s"]), ranks, int(data["restarts"]), phases)
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+class JobLogEvents(PlainEvents):
+    """The launcher inside a Ray job: rank lines into the job's log as ``host:rank text``, a stage's
+    start, progress (at most every LOG_PROGRESS_EVERY_S) and end as tagged lines for the submitting
+    side; the summary is the client's to show, from the bundle."""
+
+    def __init__(self, stream: TextIO | None = None, *, every_s: float = LOG_PROGRESS_EVERY_S) -> None:
+        super().__init__(stream)
+        self.every_s = every_s
+        self._next_progress = 0.0
+
+    def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
+        self._next_progress = 0.0  # the new stage's first reading goes out at once
+        self._print(encode_event(StageStart(job, world_size, device_type, backend)))
+
+    def progress(self, plan: StagePlan, progress: StageProgress) -> None:
+        if time.monotonic() < self._next_progress:
+            return
+        self._next_progress = time.monotonic() + self.every_s
+        self._print(encode_event(progress))
+
+    def stage_finished(self) -> None:
+        self._print(encode_event(StageEnd()))
+
+    def finished(self, result: RunResult) -> None:
+        """Nothing: the client shows the run from the bundle, under its own --out."""
+
+
+class LogReplay:
+    """The submitting side of a job's log, fed its new whole lines: rank lines to
+    ``events.rank_output``, the tagged lines back into the events they stand for (the console's
+    live line), the bundle's lines to nobody."""
+
+    def __init__(self, events: RunEvents) -> None:
+        self.events = events
+        self._in_stage = False
+
+    def feed(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.startswith(EVENT_TAG):
+                self._replay(parse_event(line))
+            elif not line.startswith((BUNDLE_TAG, BUNDLE_END)):
+                _echo_line(line, self.events.rank_output)
+
+    def _replay(self, event: JobEvent | None) -> None:
+        if isinstance(event, StageStart):
+            self.close()
+            self.events.stage_started(event.job, event.world_size, event.device_type, event.backend)
+            self._in_stage = True
+        elif isinstance(event, StageProgress) and self._in_stage:
+            self.events.remote_progress(event)
+        elif isinstance(event, StageEnd):
+            self.close()
+
+    def close(self) -> None:
+        """End a stage the job's log left open (the job was stopped or died inside it)."""
+        if self._in_stage:
+            self._in_stage = False
+            self.events.stage_finished()
 
 
 # --- the result bundle: cluster side and client side -------------------------------------------------
@@ -354,7 +519,7 @@ def job_logs(job_id: str, address: str | None, *, follow: bool, echo: Callable[[
     job_info(job_id, address)  # a clear error for an unknown job
     jobs = client(address)
     if follow:
-        _follow(jobs, job_id, echo=echo)
+        _follow(jobs, job_id, feed=lambda text: _echo_lines(text, echo))
     else:
         _echo_lines(jobs.get_job_logs(job_id), echo)
 

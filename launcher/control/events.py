@@ -67,6 +67,10 @@ class RunEvents:
     def progress(self, plan: StagePlan, progress: StageProgress) -> None:
         """Twice a second while a stage runs."""
 
+    def remote_progress(self, progress: StageProgress) -> None:
+        """A stage's progress as the launcher running it on a cluster reported it (a Ray job's log,
+        about once a second): the plan stayed there, ``progress.world_size`` names the stage."""
+
     def stage_finished(self) -> None:
         """The stage ended (its outcome is in the run's result)."""
 

@@ -85,6 +85,10 @@ class TeeEvents(RunEvents):
         for w in self.watchers:
             w.progress(plan, progress)
 
+    def remote_progress(self, progress: StageProgress) -> None:
+        for w in self.watchers:
+            w.remote_progress(progress)
+
     def stage_finished(self) -> None:
         for w in self.watchers:
             w.stage_finished()

@@ -3,7 +3,8 @@ or inside a Slurm batch job ``python -m launcher.control.submitted slurm RUN_DIR
 
 The launcher submits itself (a Ray job through the Jobs API): on the cluster this module runs the
 same ``run_job`` with the backend connected to that cluster, the ranks' output going to the job's
-log, and at the end sends the run directory back as a tagged bundle in the log's last lines.
+log (with the stages' progress as tagged lines, about once a second), and at the end sends the run
+directory back as a tagged bundle in the log's last lines.
 """
 
 from __future__ import annotations
@@ -46,19 +47,13 @@ def inside_ray(spec: str) -> int:
     lacking = _lacking(("ray",))
     if lacking is not None:
         return lacking
-    from launcher.backends.ray_jobs import emit_bundle
+    from launcher.backends.ray_jobs import JobLogEvents, emit_bundle
     from launcher.control.api import run_job
-    from launcher.control.events import PlainEvents
-
-    class JobLogEvents(PlainEvents):
-        """Rank lines into the job's log; the summary is the client's to show."""
-
-        def finished(self, result: object) -> None:
-            """Nothing: the client shows the run from the bundle, under its own --out."""
 
     out = CLUSTER_RUNS.expanduser()
     try:
-        # no endpoint of its own: on the cluster the rank actors export the metrics (the head's 127.0.0.1 is not the user's)
+        # no endpoint of its own: on the cluster the rank actors export the metrics (the head's 127.0.0.1 is not the user's);
+        # the stages' start, progress and end go into the job's log as tagged lines, for the submitting side's console
         result = run_job(spec, backend="ray", out=out, events=JobLogEvents(), metrics=False)
         code, run_dir = result.exit_code, result.run_dir
     except LauncherError as exc:

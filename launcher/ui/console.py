@@ -397,6 +397,13 @@ class RunUI(RunEvents):
             self._live.start()
 
     def progress(self, plan: StagePlan, progress: StageProgress) -> None:
+        self._show_progress(progress)
+
+    def remote_progress(self, progress: StageProgress) -> None:
+        self._show_progress(progress)  # the same line as a local run's, from a Ray job's log
+
+    def _show_progress(self, progress: StageProgress) -> None:
+        # only a terminal has a live line (stage_started starts it): piped output stays free of it
         if self._live is None:
             return
         phases = ", ".join(f"{n} {p}" for p, n in sorted(progress.phases.items()))
@@ -404,7 +411,7 @@ class RunUI(RunEvents):
         steps = high if low == high else f"{low}-{high}"
         slow = [str(r.rank) for r in progress.ranks if r.straggler]
         flagged = f" · straggler: rank {', '.join(slow)}" if slow else ""
-        self._live.update(Text(f"  world {plan.world_size} · {phases} · steps {steps}{flagged} · {progress.elapsed_s:.1f}s", style="dim"))
+        self._live.update(Text(f"  world {progress.world_size} · {phases} · steps {steps}{flagged} · {progress.elapsed_s:.1f}s", style="dim"))
 
     def stage_finished(self) -> None:
         if self._live is not None:

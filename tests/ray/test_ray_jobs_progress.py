@@ -1,0 +1,123 @@
+"""A run submitted through the Ray Jobs API shows the same live progress on the submitting console
+as a local run: the launcher inside the job writes its stages' progress into the job's log as tagged
+lines, the submitting side turns them back into progress events, and neither its printed output nor
+``launch logs`` ever shows those lines.
+
+The run is submitted in-process (``launcher.run_job(..., address=)``) with a console that records
+what it was told, so the test sees the progress readings themselves; the console prints to a pipe,
+where the live line is never drawn."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from rich.console import Console
+
+from launcher.control.events import StageProgress
+from launcher.ui.console import RunUI
+from tests.ray.conftest import RayHead, launch
+
+pytestmark = pytest.mark.slow
+
+STEPPER = '''
+import time
+
+
+def run(ctx):
+    """Steps every 50 ms for params.seconds, saying so once a second."""
+    end, said, n = time.monotonic() + float(ctx.param("seconds")), 0.0, 0
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        ctx.metrics.step()
+        n += 1
+        if time.monotonic() - said >= 1.0:
+            said = time.monotonic()
+            print(f"stepper: rank {ctx.rank} step {n}", flush=True)
+    return {"steps": n}
+'''
+
+
+class RecordingUI(RunUI):
+    """The CLI's console on a pipe, keeping every progress reading it was given."""
+
+    def __init__(self) -> None:
+        self.out = io.StringIO()
+        super().__init__(Console(file=self.out, force_terminal=False, width=200))
+        self.readings: list[StageProgress] = []
+        self.stages: list[tuple[str, int]] = []
+
+    def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
+        self.stages.append(("started", world_size))
+        super().stage_started(job, world_size, device_type, backend)
+
+    def remote_progress(self, progress: StageProgress) -> None:
+        self.readings.append(progress)
+        super().remote_progress(progress)
+
+    def stage_finished(self) -> None:
+        self.stages.append(("finished", 0))
+        super().stage_finished()
+
+
+@pytest.fixture
+def head_token(ray_head: RayHead) -> Iterator[RayHead]:
+    """This process uses the head's token, as a user's shell would (Ray caches the token it read)."""
+    from ray._private import authentication_test_utils as auth
+
+    keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+    saved = {k: os.environ.get(k) for k in keys}
+    auth.set_auth_mode("token")
+    auth.set_env_auth_token(ray_head.env["RAY_AUTH_TOKEN"])
+    auth.reset_auth_token_state()
+    try:
+        yield ray_head
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        auth.reset_auth_token_state()
+
+
+def test_a_jobs_api_run_shows_live_progress_and_never_its_tagged_lines(
+    head_token: RayHead, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import launcher
+
+    job_dir = tmp_path / "job"  # the job's own code beside its spec, as a user's would be (Ray ships the directory)
+    job_dir.mkdir()
+    monkeypatch.syspath_prepend(str(job_dir))  # here, as PYTHONPATH would: the spec's entrypoint is checked before submitting
+    (job_dir / "stepper_job.py").write_text(STEPPER)
+    (job_dir / "stepper.yaml").write_text(
+        "name: stepper\nentrypoint: stepper_job:run\nparams: {seconds: 5}\nbackend: ray\n"
+        "resources: {cpu_workers: 2}\ntimeouts: {rendezvous_s: 60, run_s: 300}\n"
+    )
+    ui = RecordingUI()
+    result = launcher.run_job(job_dir / "stepper.yaml", address=head_token.address, out=tmp_path / "out", events=ui)
+    assert result.status == "succeeded", ui.out.getvalue()[-3000:]
+
+    assert ui.stages == [("started", 2), ("finished", 0)]
+    running = [p for p in ui.readings if all(r.phase == "running" for r in p.ranks)]
+    assert len(running) >= 2, [(p.elapsed_s, [(r.phase, r.steps) for r in p.ranks]) for p in ui.readings]
+    assert all(p.world_size == 2 and sorted(r.rank for r in p.ranks) == [0, 1] for p in ui.readings)
+    for rank in (0, 1):
+        steps = [next(r.steps for r in p.ranks if r.rank == rank) for p in running]
+        assert steps == sorted(steps) and steps[-1] > steps[0], (rank, steps)  # growing as the rank steps
+    elapsed = [p.elapsed_s for p in ui.readings]
+    assert elapsed == sorted(elapsed) and min(b - a for a, b in zip(elapsed, elapsed[1:])) >= 0.9  # at most one a second
+
+    printed = ui.out.getvalue()
+    assert "@gpulaunch" not in printed, printed[-3000:]
+    assert "▶ stepper: world size 2 on cpu (ray)" in printed and "stepper: rank 1 step" in printed
+    assert "world 2 ·" not in printed  # a pipe gets no live line
+
+    [job_id] = [line.split()[4] for line in printed.splitlines() if line.startswith("launcher: submitted Ray job ")]
+    logs = launch("logs", job_id, "--address", head_token.address, env=head_token.env)
+    assert logs.returncode == 0, logs.stderr
+    assert "@gpulaunch" not in logs.stdout, logs.stdout[-3000:]
+    assert "stepper: world size 2 on cpu (ray)" in logs.stdout and "stepper: rank 0 step" in logs.stdout
