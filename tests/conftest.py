@@ -13,9 +13,49 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Under pytest-xdist (``pytest -n 3``) every test file is a unit that runs on one worker (its
+# module-scoped fixtures are built once), except a directory whose tests share a rig that is slow
+# to build once per package: tests/ray's Ray head. The units spread over the workers, the long ones
+# first (real clusters, then real processes), the unit tests last. The Slurm and sshd rigs come up
+# in about a second, so each file there builds its own, in network namespaces of its own.
+SHARED_RIG_DIRECTORIES = ("ray",)
+RUN_FIRST = ("ray", "slurm", "cluster", "jobs", "integration", "monitoring", "benchmarks")
+
+
+def xdist_unit_of(nodeid: str) -> str:
+    """The worker-unit of a test id (``tests/ray/test_x.py::test_y`` -> ``ray``)."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")[1:] if path.startswith("tests/") else path.split("/")
+    return parts[0] if parts and parts[0] in SHARED_RIG_DIRECTORIES else path
+
+
+try:  # the test extra has pytest-xdist; without it the suite runs in one process
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pragma: no cover
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class RigScheduling(LoadScopeScheduling):
+        """xdist's load-by-scope scheduling with our units as the scopes (xdist's own
+        ``--dist loadgroup`` marks do not reach the scheduler under pytest 9)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit_of(nodeid)
+
+    def pytest_xdist_make_scheduler(config, log):  # noqa: ANN001, ANN201
+        return RigScheduling(config, log)
+
+
+def _run_order(item: pytest.Item) -> int:
+    top = item.nodeid.split("/")[1] if item.nodeid.startswith("tests/") else ""
+    return RUN_FIRST.index(top) if top in RUN_FIRST else len(RUN_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001
     import shutil
 
+    items.sort(key=_run_order)  # stable: a file's tests keep their order
     has_gpu = shutil.which("nvidia-smi") is not None and subprocess.run(
         ["nvidia-smi", "-L"], capture_output=True, check=False
     ).returncode == 0

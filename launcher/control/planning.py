@@ -332,6 +332,7 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         rendezvous_timeout_s=spec.timeouts.rendezvous_s,
         collective_timeout_s=spec.timeouts.collective_s,
         run_id=paths.root.parent.name,
+        time_ddp=spec.monitoring.stragglers,
     )
 
 

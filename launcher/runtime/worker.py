@@ -150,7 +150,7 @@ class _Rank:
         self.recorder = recorder
         self.beacon.steps = lambda: recorder.steps
         self.beacon.work_s = recorder.work_clock.recent_mean
-        if self.report.world_size > 1:  # every DDP model the job builds reports its own work per step
+        if self.report.world_size > 1 and self.config.time_ddp:  # every DDP model the job builds reports its own work per step
             self.undo_ddp_timing = _time_ddp_models(recorder.work_clock)  # undone in finish()
         return entry, device
 

@@ -161,10 +161,11 @@ class NetnsCluster:
     def ns_cmd(self, *argv: str, ns: str | None = None) -> list[str]:
         return ["ip", "netns", "exec", ns or self.cli_ns, *argv]
 
-    def launch(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    def launch(self, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """`launch ARGS` in the launching host's namespace, as a user would type it."""
         return subprocess.run(
-            self.ns_cmd(sys.executable, "-m", "launcher", *args), cwd=REPO, capture_output=True, text=True, timeout=timeout
+            self.ns_cmd(sys.executable, "-m", "launcher", *args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, **env} if env else None,
         )
 
     def popen_launch(self, *args: str, **kwargs) -> subprocess.Popen:

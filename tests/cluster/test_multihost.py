@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -54,18 +55,23 @@ def matmul_run(netns_cluster, tmp_path_factory):
     nasty = NASTY.format(p=tmp)
     out = netns_cluster.out_dir("matmul3")
     logins = [netns_cluster.logins(h) for h in netns_cluster.hosts]
-    dirs = control_dirs()
+    # a temp dir of this run's own, where the launcher puts its control sockets' directory: runs
+    # of other tests (other pytest-xdist workers) cannot show up in it
+    socket_root = Path(tempfile.mkdtemp(prefix="glsock-", dir="/tmp"))
     t0 = time.monotonic()
     done = netns_cluster.launch(
         "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(out), *TINY,
         "--set", "scaling.workers=[3,6]", "--set", "resources.cpu_workers=2",
         "--set", "entrypoint=tests.cluster.noted_matmul:run", "--set", f"env.PYTHONPATH={REPO}",
         "--set", f"params.note={json.dumps(nasty)}", "--set", f"env.GL_PROBE={json.dumps(nasty)}",
+        env={"TMPDIR": str(socket_root)},
     )
     elapsed = time.monotonic() - t0
     logins = [netns_cluster.logins(h) - n for h, n in zip(netns_cluster.hosts, logins)]
     run_dirs = list((out / "matmul_scaling").iterdir()) if (out / "matmul_scaling").exists() else []
-    return done, run_dirs, tmp, nasty, elapsed, logins, control_dirs() - dirs
+    left = set(socket_root.glob("gl-ssh-*"))
+    shutil.rmtree(socket_root, ignore_errors=True)
+    return done, run_dirs, tmp, nasty, elapsed, logins, left
 
 
 def test_job_runs_across_three_hosts_with_ranks_host_by_host(matmul_run, netns_cluster):

@@ -63,6 +63,10 @@ def assert_plots(run: JobRun, *names: str) -> None:
         assert data[:8] == PNG and len(data) > 10_000, name
 
 
+# ddp_train at a size that trains in seconds on a CPU
+TINY_TRAIN = ["params.n_train=1024", "params.n_test=256", "params.hidden=32", "params.batch_size=128"]
+
+
 @pytest.fixture(scope="session")
 def runs_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jobs")

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from tests.conftest import launch
-from tests.jobs.conftest import assert_plots, assert_succeeded, run_job
+from tests.jobs.conftest import TINY_TRAIN, assert_plots, assert_succeeded, run_job
 
 BOTH = "scaling.workers=[1,2]"
 
@@ -34,9 +34,6 @@ def transfer(runs_root):
 @pytest.fixture(scope="module")
 def ddp_train(runs_root):
     return run_job(runs_root, "ddp_train", BOTH, *TINY_TRAIN, "params.epochs=2")
-
-
-TINY_TRAIN = ["params.n_train=1024", "params.n_test=256", "params.hidden=32", "params.batch_size=128"]
 
 
 def assert_ranged(row: dict, key: str) -> None:
@@ -225,22 +222,3 @@ def test_launch_report_rerenders_table_and_plots(job, plot, request):
     out = " ".join(done.stdout.split())
     assert run.summary["title"].split(":")[0] in out
     assert run.summary["conclusions"][0].split(":")[0] in out
-
-
-RAY_SETS = {
-    "cpu_vs_gpu": ["params.sizes=[8,32]", "params.work_gflop=0.0001", "params.max_iters=20", "params.warmup=1"],
-    "sync_logging": ["params.steps=40", "params.n=16", "params.repeats=2"],
-    "transfer": ["params.sizes_mb=[0.25,1]", "params.repeats=2"],
-    "ddp_train": [*TINY_TRAIN, "params.epochs=1"],
-    "matmul_scaling": ["params.sizes=[64]", "params.iters=3", "params.warmup=1"],
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("job", sorted(RAY_SETS))
-def test_every_job_runs_unchanged_on_the_ray_backend(job, tmp_path):
-    pytest.importorskip("ray")
-    run = run_job(tmp_path, job, "scaling.workers=[2]", "resources.cpu_workers=2", *RAY_SETS[job], backend="ray")
-    assert_succeeded(run, job, [2])
-    assert run.result["backend"] == "ray"
-    assert run.result["plots"] and run.summary.get("rows"), "the job's table and plots come out of a Ray run too"

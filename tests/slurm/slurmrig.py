@@ -40,6 +40,7 @@ Slurm behaviour worth knowing when writing tests against a rig (Slurm 22.05, def
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -194,19 +195,34 @@ def remove_stale_rigs() -> None:
             _kill(proc)
 
 
-_taken_slots: set[int] = set()
+_taken_slots: dict[int, int] = {}  # slot -> the fd of its lock file, held while the rig lives
 
 
 def _free_slot() -> int:
-    """A /28 of 10.231.9.0/24 that no address in the root namespace uses and no rig of ours holds."""
+    """A /28 of 10.231.9.0/24 that no address in the root namespace uses and no rig holds, in this
+    process or another (pytest-xdist workers): each slot has a lock file in /tmp, flock'ed by its
+    rig for its lifetime, so the lock goes with a process that dies, leaving nothing stale."""
     used = set(_taken_slots)
     for addr in re.findall(rf"inet ({re.escape(SUBNET)}\.\d+)/", sh("ip", "-o", "-4", "addr", "show", check=False).stdout):
         used.add(int(addr.rsplit(".", 1)[1]) // 16)
     for slot in range(SLOTS):
-        if slot not in used:
-            _taken_slots.add(slot)
-            return slot
+        if slot in used:
+            continue
+        fd = os.open(f"/tmp/gpulaunch-slurmrig-slot{slot}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _taken_slots[slot] = fd
+        return slot
     raise RuntimeError(f"all {SLOTS} rig slots of {SUBNET}.0/24 are in use")
+
+
+def _release_slot(slot: int) -> None:
+    fd = _taken_slots.pop(slot, None)
+    if fd is not None:
+        os.close(fd)  # closing drops the flock
 
 
 def _free_port() -> int:
@@ -497,7 +513,7 @@ class SlurmRig:
             sh("ip", "link", "del", self.root_veth, check=False)  # usually gone with the switch namespace
         for f in self._logs:
             f.close()
-        _taken_slots.discard(self.slot)
+        _release_slot(self.slot)
         self.stopped = True
         self.down_s = time.monotonic() - t0
         if errors:

@@ -216,3 +216,12 @@ def test_unused_worker_slots_are_named_with_the_setting_that_decides(tmp_path):
     assert "resources.cpu_workers give 4 worker slot(s), but scaling.workers [1, 2] decides" in note
     assert "--set scaling.workers=[1,2,4]" in note
     assert device_notes(job(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [1, 2]}\n"), [node("l", cpus=8)], "cpu") == []
+
+
+def test_straggler_settings_reach_the_run_loop_and_the_ranks(tmp_path):
+    (plan,) = plans(tmp_path, "resources: {cpu_workers: 2}\n", [node("laptop", cpus=4)])
+    assert plan.worker.time_ddp and (plan.stragglers.factor, plan.stragglers.hold_s) == (1.5, 5.0)
+    (plan,) = plans(tmp_path, "resources: {cpu_workers: 2}\nmonitoring: {stragglers: false, straggler_factor: 2, straggler_hold_s: 1}\n",
+                    [node("laptop", cpus=4)])
+    assert not plan.worker.time_ddp and (plan.stragglers.factor, plan.stragglers.hold_s) == (2.0, 1.0)
+    assert WorkerConfig.from_json(plan.worker.to_json()).time_ddp is False  # what worker.json carries
