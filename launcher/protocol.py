@@ -104,7 +104,7 @@ class WorkerConfig:
     # bounds each collective (the process group's timeout); None: torch's default for pg_backend
     collective_timeout_s: float | None = None
     run_id: str = ""  # the run this stage belongs to (metrics labels)
-    # straggler detection: give the job's DDP models a timing comm hook (spec: monitoring.stragglers)
+    # straggler detection: time the job's DDP models (gradient and optimizer hooks; spec: monitoring.stragglers)
     time_ddp: bool = True
 
     @property

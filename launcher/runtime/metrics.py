@@ -79,7 +79,7 @@ class MetricsRecorder:
     def work(self) -> ContextManager[None]:
         """Mark a block of this rank's own work (no collective inside) for straggler detection:
         ``with ctx.metrics.work(): loss = step(batch)``. A step's blocks (up to ``step()``) add up to
-        its own work. DDP models need none of this: the runtime times them through a comm hook."""
+        its own work. DDP models need none of this: the runtime times them itself (workclock)."""
         return self.work_clock.section()
 
     def add_time_ms(self, name: str, ms: float) -> None:

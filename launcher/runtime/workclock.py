@@ -3,16 +3,18 @@
 In synchronous DDP every rank steps at the pace of the slowest, so step times cannot name the
 straggler; the time a rank spends on its own work can. Two sources feed one :class:`WorkClock`:
 
-- **DDP, with no change to the job's code.** :func:`install_ddp_timing` wraps
-  ``DistributedDataParallel`` so that every model gets a communication hook (the job's own hook, if
-  it registers one, is wrapped, not replaced). The hook marks when the *last* gradient bucket of a
-  backward is ready (this rank's forward and backward are done) and, through the all-reduce's
-  future, when that bucket's all-reduce completed (every rank is done). A step's own work is the
-  time from the previous step's completed all-reduce to this step's last ready bucket: data
-  loading, optimizer step, forward and backward, but not the wait for the others.
+- **DDP, with no change to the job's code.** :func:`install_ddp_timing` makes every
+  ``DistributedDataParallel`` model register, at its first forward, a post-accumulate-grad hook on
+  each of its parameters (the last one to fire in a backward marks this rank's gradients ready:
+  its forward and backward are done), and adds one global optimizer step pre-hook (``step()``
+  starts once ``backward()`` returned, that is once the all-reduce of every bucket completed:
+  every rank is done). A step's own work is the time from the previous ``optimizer.step()`` to
+  this step's last ready gradient: optimizer, data loading, forward and backward, but not the
+  wait for the others. DDP's communication is left alone: a Python comm hook would cost about a
+  fifth of a small CPU step (measured: 10.8 ms against 8.6 ms), these hooks nothing measurable.
 - **Jobs that call collectives themselves** wrap their compute in ``with ctx.metrics.work():``;
   the sections of one step (up to ``ctx.metrics.step()``) add up to its own work. When a job uses
-  sections, they win over the DDP hook.
+  sections, they win over the DDP hooks.
 
 Never a device sync: on the CPU the host clock is the truth (the work is synchronous); on a GPU
 each mark is a CUDA event recorded on the current stream, and a pair is read only once
@@ -66,25 +68,33 @@ class WorkClock:
         self._pending: deque[_Pairs] = deque()  # steps whose marks the device has not reached yet
         self._sections: list[tuple[_Mark, _Mark]] = []  # this step's ``work()`` sections so far
         self.uses_sections = False
-        self._last_done: _Mark | None = None  # the previous step's completed all-reduce
+        self._last_step: _Mark | None = None  # the previous optimizer step's start
+        self._ready: _Mark | None = None  # this step's last gradient so far
+        self._grads = 0  # gradients accumulated since the last optimizer step
+        self._grads_per_step = 1  # learnt from the previous step (1 until then: mark every one)
 
-    # --- DDP hook side ----------------------------------------------------------------------------
-    def backward_ready(self) -> None:
-        """The last gradient bucket of a backward is ready: this rank's own work is done."""
+    # --- DDP side -----------------------------------------------------------------------------------
+    def gradient_ready(self) -> None:
+        """A parameter's gradient was accumulated. The last of a backward (as many as the step
+        before had: only that one records a CUDA event) marks this rank's own work done."""
         if self.uses_sections:
             return
-        ready = _Mark(self.use_events)
-        with self._lock:
-            if self._last_done is not None:  # the first step has no start: it is not measured
-                self._pending.append(((self._last_done, ready),))
-                self._last_done = None
-        self._drain()
+        self._grads += 1
+        if self._grads >= self._grads_per_step:
+            self._ready = _Mark(self.use_events)
 
-    def allreduce_done(self) -> None:
-        """The last bucket's all-reduce completed: every rank is done with this step."""
-        mark = _Mark(self.use_events)
+    def optimizer_step(self) -> None:
+        """An optimizer's ``step()`` starts: the backward, the wait for the peers included, is over."""
+        if self.uses_sections:
+            return
+        now = _Mark(self.use_events)
         with self._lock:
-            self._last_done = mark
+            if self._ready is not None and self._last_step is not None:  # the first step has no start
+                self._pending.append(((self._last_step, self._ready),))
+            if self._grads:
+                self._grads_per_step = self._grads
+            self._grads, self._ready, self._last_step = 0, None, now
+        self._drain()
 
     # --- ``ctx.metrics.work()`` side -------------------------------------------------------------
     @contextmanager
@@ -124,74 +134,30 @@ class WorkClock:
 
 
 def install_ddp_timing(clock: WorkClock) -> Callable[[], None]:
-    """Give every ``DistributedDataParallel`` model built from now on a timing communication hook;
-    returns the function that undoes it. The hook is registered at the model's first forward, so
-    a job that registers its own hook first gets it wrapped instead (a built-in C++ hook cannot be
-    wrapped: such a model is not timed)."""
+    """Time every ``DistributedDataParallel`` model used from now on (see the module's doc);
+    returns the function that undoes it (the hooks already on a model's parameters stay, and
+    stay cheap)."""
+    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    originals = {name: DDP.__dict__[name] for name in (*_BUILTIN_HOOKS, "forward", "register_comm_hook") if name in DDP.__dict__}
-    original_forward, original_register = originals["forward"], originals["register_comm_hook"]
-
-    def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
-        self._gpulaunch_timed = True
-        original_register(self, state, _timed(clock, hook))
+    if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+        raise AttributeError("torch.Tensor.register_post_accumulate_grad_hook (torch >= 2.1)")
+    original_forward = DDP.__dict__["forward"]
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(self, "_gpulaunch_timed", False):
             self._gpulaunch_timed = True
-            # state = the model's own group: what DDP's built-in all-reduce would use
-            original_register(self, self.process_group, _timed(clock, None))
+            for param in self.module.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(lambda _param: clock.gradient_ready())
         return original_forward(self, *args, **kwargs)
 
-    patched: dict[str, Any] = {"forward": forward, "register_comm_hook": register_comm_hook}
-    for name in _BUILTIN_HOOKS:
-        if name in originals:
-            patched[name] = _untimed(originals[name])
-    for name, function in patched.items():
-        setattr(DDP, name, function)
+    DDP.forward = forward
+    step_hook = register_optimizer_step_pre_hook(lambda _optimizer, _args, _kwargs: clock.optimizer_step())
 
     def undo() -> None:
-        for name, function in originals.items():
-            setattr(DDP, name, function)
+        DDP.forward = original_forward
+        step_hook.remove()
 
     return undo
-
-
-# DDP's ways to install a C++ hook (the name has changed across torch versions)
-_BUILTIN_HOOKS = ("register_builtin_comm_hook", "_register_builtin_comm_hook")
-
-
-def _untimed(register_builtin: Callable[..., Any]) -> Callable[..., Any]:
-    def register(self: Any, *args: Any, **kwargs: Any) -> Any:
-        self._gpulaunch_timed = True  # a C++ hook: nothing to wrap, the model is not timed
-        return register_builtin(self, *args, **kwargs)
-
-    return register
-
-
-def _timed(clock: WorkClock, inner: Callable[..., Any] | None) -> Callable[..., Any]:
-    """A comm hook that marks the last bucket's readiness and its all-reduce's completion around
-    ``inner`` (the job's own hook, or DDP's default all-reduce when the job has none)."""
-
-    # no annotations: DDP checks a hook's (they must be GradBucket / Future, not strings)
-    def hook(state, bucket):  # type: ignore[no-untyped-def]
-        last = bucket.is_last()
-        if last:
-            clock.backward_ready()
-        if inner is not None:
-            fut = inner(state, bucket)
-        else:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            fut = allreduce_hook(state, bucket)  # DDP's own default: the same maths as no hook
-        if not last:
-            return fut
-
-        def done(f: Any) -> Any:
-            clock.allreduce_done()
-            return f.value()
-
-        return fut.then(done)
-
-    return hook

@@ -163,7 +163,7 @@ class Monitoring(_Frozen):
     port: StrictInt = Field(0, ge=0, le=65535)
     # per rank and step, for samples/s on the dashboard (the job's global batch / world size)
     samples_per_step: StrictInt | None = Field(None, ge=1)
-    # each rank measures its own work per step (DDP models through a comm hook the runtime adds)
+    # each rank measures its own work per step (DDP models through hooks the runtime adds)
     stragglers: bool = True
     # a rank is a straggler when its own work per step (not waiting for peers) stays above this
     # many times its peers' median for straggler_hold_s seconds: console line, metric, result.json

@@ -1,5 +1,6 @@
-"""Straggler timing on a real GPU (marked ``gpu``): the DDP comm hook's marks are CUDA events,
-read only once the device has passed them, and the step loop never waits for the device."""
+"""Straggler timing on a real GPU (marked ``gpu``): a DDP model's marks (its last gradient, the
+optimizer's step) are CUDA events, read only once the device has passed them, and the step loop
+never waits for the device."""
 
 from __future__ import annotations
 

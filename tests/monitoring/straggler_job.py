@@ -1,8 +1,8 @@
 """A synchronous DDP job in which one rank does extra work before its all-reduce every step.
 
-Nothing in it knows about straggler detection (the runtime times the DDP model through a comm
-hook) unless ``sections`` is set: then it all-reduces by hand and marks its own work with
-``ctx.metrics.work()``. The extra work is a sleep: the same to a clock as compute, and kind to a
+Nothing in it knows about straggler detection (the runtime times the DDP model through its
+gradients and optimizer steps) unless ``sections`` is set: then it all-reduces by hand and marks
+its own work with ``ctx.metrics.work()``. The extra work is a sleep: the same to a clock as compute, and kind to a
 2-core machine running the other ranks.
 """
 
