@@ -10,8 +10,8 @@ straggler; the time a rank spends on its own work can. Two sources feed one :cla
   starts once ``backward()`` returned, that is once the all-reduce of every bucket completed:
   every rank is done). A step's own work is the time from the previous ``optimizer.step()`` to
   this step's last ready gradient: optimizer, data loading, forward and backward, but not the
-  wait for the others. DDP's communication is left alone: a Python comm hook would cost about a
-  fifth of a small CPU step (measured: 10.8 ms against 8.6 ms), these hooks nothing measurable.
+  wait for the others. DDP's communication is left alone: a Python comm hook would cost 1.17x a
+  small CPU step, these hooks 1.015x, within the noise (benchmarks/straggler_overhead.py).
 - **Jobs that call collectives themselves** wrap their compute in ``with ctx.metrics.work():``;
   the sections of one step (up to ``ctx.metrics.step()``) add up to its own work. When a job uses
   sections, they win over the DDP hooks.
