@@ -57,7 +57,7 @@ SAMPLES_PER_SECOND = MetricSpec(
 )
 STEP_TIME = MetricSpec("gpulaunch_step_time_seconds", "gauge", RANK_LABELS, "Host time per step, recent mean.")
 LAST_STEP_TIME = MetricSpec("gpulaunch_last_step_time_seconds", "gauge", RANK_LABELS, "Host time of a rank's last step.")
-RANK_WORK = MetricSpec("gpulaunch_rank_work_seconds", "gauge", RANK_LABELS, "A rank's own compute time per step, recent mean.")
+RANK_WORK = MetricSpec("gpulaunch_rank_work_seconds", "gauge", RANK_LABELS, "A rank's own work per step (not waiting for peers), median of recent steps.")
 STRAGGLER = MetricSpec("gpulaunch_straggler", "gauge", RANK_LABELS, "1 while the rank is flagged as a straggler, else 0.")
 RANK_STATE = MetricSpec(
     "gpulaunch_rank_state", "gauge", RANK_LABELS + (LABEL_STATE,), "1 for the state a rank is in now (one series per rank)."

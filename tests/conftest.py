@@ -43,6 +43,7 @@ if LoadScopeScheduling is not None:
         def _split_scope(self, nodeid: str) -> str:
             return xdist_unit_of(nodeid)
 
+    @pytest.hookimpl(optionalhook=True)  # `pytest -p no:xdist` has no such hook
     def pytest_xdist_make_scheduler(config, log):  # noqa: ANN001, ANN201
         return RigScheduling(config, log)
 

@@ -45,7 +45,11 @@ SPEC_FILE = "_gpulaunch_job.yaml"
 BUNDLE_TAG = "@gpulaunch-bundle "
 BUNDLE_END = "@gpulaunch-bundle-end "
 EVENT_TAG = "@gpulaunch-event "  # the launcher inside the job: a stage starts, its progress, it ends (JSON)
-LOG_PROGRESS_EVERY_S = 1.0  # the job's log is fetched whole at every poll: one progress line a second at most
+# The job's log is fetched whole at every poll and kept by Ray: a progress line a second during a
+# stage's first minute (start-up is when a user watches), then one every LOG_PROGRESS_LATER_S.
+LOG_PROGRESS_EVERY_S = 1.0
+LOG_PROGRESS_LATER_S = 10.0
+LOG_PROGRESS_FAST_FOR_S = 60.0
 CHUNK = 16_000
 MAX_BUNDLED_FILE = 1024**2  # larger files (checkpoints) stay on the cluster instead of flooding the job's log
 LEFT_FILE = "left_on_cluster.json"
@@ -392,7 +396,7 @@ def _float(value: Any) -> float | None:
 
 class JobLogEvents(PlainEvents):
     """The launcher inside a Ray job: rank lines into the job's log as ``host:rank text``, a stage's
-    start, progress (at most every LOG_PROGRESS_EVERY_S) and end as tagged lines for the submitting
+    start, progress (every LOG_PROGRESS_EVERY_S, later every LOG_PROGRESS_LATER_S) and end as tagged lines for the submitting
     side; the summary is the client's to show, from the bundle."""
 
     def __init__(self, stream: TextIO | None = None, *, every_s: float = LOG_PROGRESS_EVERY_S) -> None:
@@ -407,7 +411,8 @@ class JobLogEvents(PlainEvents):
     def progress(self, plan: StagePlan, progress: StageProgress) -> None:
         if time.monotonic() < self._next_progress:
             return
-        self._next_progress = time.monotonic() + self.every_s
+        later = progress.elapsed_s > LOG_PROGRESS_FAST_FOR_S and self.every_s == LOG_PROGRESS_EVERY_S
+        self._next_progress = time.monotonic() + (LOG_PROGRESS_LATER_S if later else self.every_s)
         self._print(encode_event(progress))
 
     def stage_finished(self) -> None:

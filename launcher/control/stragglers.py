@@ -48,6 +48,8 @@ class StragglerWatch:
     def update(self, progress: StageProgress) -> tuple[StageProgress, list[StragglerChange]]:
         """The reading with each rank's straggler flag set, and the flags that changed."""
         work = {r.rank: r.work_s for r in progress.ranks if r.work_s is not None and r.phase == "running"}
+        for rank in set(self._above_since) - set(work):  # no figure now: its time above the line starts again
+            del self._above_since[rank]
         changes = []
         for rank, own in work.items():
             peers = [w for k, w in work.items() if k != rank]

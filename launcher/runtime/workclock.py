@@ -4,14 +4,15 @@ In synchronous DDP every rank steps at the pace of the slowest, so step times ca
 straggler; the time a rank spends on its own work can. Two sources feed one :class:`WorkClock`:
 
 - **DDP, with no change to the job's code.** :func:`install_ddp_timing` makes every
-  ``DistributedDataParallel`` model register, at its first forward, a post-accumulate-grad hook on
-  each of its parameters (the last one to fire in a backward marks this rank's gradients ready:
-  its forward and backward are done), and adds one global optimizer step pre-hook (``step()``
-  starts once ``backward()`` returned, that is once the all-reduce of every bucket completed:
-  every rank is done). A step's own work is the time from the previous ``optimizer.step()`` to
-  this step's last ready gradient: optimizer, data loading, forward and backward, but not the
-  wait for the others. DDP's communication is left alone: a Python comm hook would cost 1.17x a
-  small CPU step, these hooks 1.015x, within the noise (benchmarks/straggler_overhead.py).
+  ``DistributedDataParallel`` model, at its first forward, put a post-accumulate-grad hook on its
+  parameters and a forward pre-hook on the module it wraps, and adds one global optimizer step
+  pre-hook. Own work of a step = from the previous ``optimizer.step()`` to DDP's forward (data
+  loading, ...), plus from the wrapped module's forward to the end of backward's compute (the
+  first gradient hook of a backward queues an autograd final callback, which runs before the one
+  DDP queues later to wait for the all-reduces). Left out: DDP's buffer broadcast before the
+  forward and its wait for the all-reduces after the backward, the two places a rank waits for
+  slower peers. DDP's communication itself is left alone: a Python comm hook would cost 1.16x a
+  small CPU step, these hooks 0.99x, within the noise (benchmarks/straggler_overhead.py).
 - **Jobs that call collectives themselves** wrap their compute in ``with ctx.metrics.work():``;
   the sections of one step (up to ``ctx.metrics.step()``) add up to its own work. When a job uses
   sections, they win over the DDP hooks.
@@ -23,13 +24,15 @@ each mark is a CUDA event recorded on the current stream, and a pair is read onl
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-RECENT_STEPS = 20  # the recent mean is over this many steps: a few seconds of a typical job
+RECENT_STEPS = 20  # the figure is the median of this many recent steps: one slow step (a checkpoint) moves it little
+MAX_SECTIONS = 256  # work() blocks kept for one step; a job that never calls step() folds them into samples
 
 
 class _Mark:
@@ -58,42 +61,95 @@ class _Mark:
 _Pairs = tuple[tuple[_Mark, _Mark], ...]  # the (start, end) spans of one step's own work
 
 
+def _never_raises(method: Callable[..., None]) -> Callable[..., None]:
+    """Timing is best effort: any error (a CUDA event of another device, a sticky CUDA error)
+    turns it off for the rest of the rank's life instead of reaching the job's backward() or
+    optimizer.step(). During CUDA graph capture nothing is marked (an event recorded there could
+    not be queried)."""
+
+    def guarded(self: "WorkClock", *args: Any) -> None:
+        if not self.enabled or (self.use_events and _capturing()):
+            return
+        try:
+            method(self, *args)
+        except Exception:  # noqa: BLE001 - see above
+            self.enabled = False
+            with self._lock:
+                self._pending.clear()
+
+    guarded.__doc__ = method.__doc__
+    return guarded
+
+
+def _capturing() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
 class WorkClock:
-    """Own-work seconds of recent steps; ``recent_mean()`` is what the progress beacon reports."""
+    """Own-work seconds of recent steps. The hooks run on the training thread (and, for DDP's
+    gradients, autograd's); readable samples are moved into the recent window there too, so that
+    ``recent()``, which the progress beacon's thread calls, never touches a device."""
 
     def __init__(self, use_events: bool = False, recent_steps: int = RECENT_STEPS) -> None:
         self.use_events = use_events
-        self._lock = threading.Lock()  # DDP's future callbacks run on the process group's thread
+        self.enabled = True
+        self._lock = threading.Lock()
         self._recent: deque[float] = deque(maxlen=recent_steps)
         self._pending: deque[_Pairs] = deque()  # steps whose marks the device has not reached yet
         self._sections: list[tuple[_Mark, _Mark]] = []  # this step's ``work()`` sections so far
         self.uses_sections = False
-        self._last_step: _Mark | None = None  # the previous optimizer step's start
-        self._ready: _Mark | None = None  # this step's last gradient so far
-        self._grads = 0  # gradients accumulated since the last optimizer step
-        self._grads_per_step = 1  # learnt from the previous step (1 until then: mark every one)
+        # DDP: the spans of own work of the step under way (see forward_entered / compute_started)
+        self._started = False  # an optimizer step was seen: the steps after it are measured
+        self._span_start: _Mark | None = None
+        self._spans: list[tuple[_Mark, _Mark]] = []
+        self._ready: _Mark | None = None  # where the last backward of this step ended
+        self._backward_queued = False
 
-    # --- DDP side -----------------------------------------------------------------------------------
+    # --- DDP side ----------------------------------------------------------------------------------
+    @_never_raises
+    def forward_entered(self) -> None:
+        """DDP's forward starts: own work pauses, DDP may wait for the peers (buffer broadcast)."""
+        if self._span_start is not None and not self.uses_sections:
+            self._spans.append((self._span_start, _Mark(self.use_events)))
+            self._span_start = None
+
+    @_never_raises
+    def compute_started(self) -> None:
+        """The wrapped module's own forward starts (after DDP's own synchronisation)."""
+        if not self.uses_sections:
+            self._span_start = _Mark(self.use_events)
+
+    @_never_raises
     def gradient_ready(self) -> None:
-        """A parameter's gradient was accumulated. The last of a backward (as many as the step
-        before had: only that one records a CUDA event) marks this rank's own work done."""
-        if self.uses_sections:
+        """A gradient was accumulated: at the end of this backward (autograd's final callback,
+        queued before DDP's, which waits for the all-reduces) this rank's own work is done."""
+        if self.uses_sections or self._backward_queued:
             return
-        self._grads += 1
-        if self._grads >= self._grads_per_step:
-            self._ready = _Mark(self.use_events)
+        import torch
 
+        self._backward_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    @_never_raises
+    def _backward_done(self) -> None:
+        self._backward_queued = False
+        self._ready = _Mark(self.use_events)
+
+    @_never_raises
     def optimizer_step(self) -> None:
         """An optimizer's ``step()`` starts: the backward, the wait for the peers included, is over."""
         if self.uses_sections:
             return
         now = _Mark(self.use_events)
-        with self._lock:
-            if self._ready is not None and self._last_step is not None:  # the first step has no start
-                self._pending.append(((self._last_step, self._ready),))
-            if self._grads:
-                self._grads_per_step = self._grads
-            self._grads, self._ready, self._last_step = 0, None, now
+        ready, start = self._ready, self._span_start
+        if ready is not None and start is not None and ready.t >= start.t:
+            self._spans.append((start, ready))
+        if self._started and self._spans and ready is not None:
+            with self._lock:
+                self._pending.append(tuple(self._spans))
+        self._started, self._spans, self._ready, self._span_start = True, [], None, now
         self._drain()
 
     # --- ``ctx.metrics.work()`` side -------------------------------------------------------------
@@ -101,12 +157,16 @@ class WorkClock:
     def section(self) -> Iterator[None]:
         """Time a block of this rank's own work (no collective inside)."""
         self.uses_sections = True
-        start = _Mark(self.use_events)
+        start = _Mark(self.use_events) if self.enabled else None
         try:
             yield
         finally:
-            self._sections.append((start, _Mark(self.use_events)))
+            if start is not None and self.enabled:
+                self._sections.append((start, _Mark(self.use_events)))
+                if len(self._sections) >= MAX_SECTIONS:
+                    self.step()
 
+    @_never_raises
     def step(self) -> None:
         """A step ended (``ctx.metrics.step()``): its sections, if any, make one sample."""
         if not self._sections:
@@ -124,10 +184,11 @@ class WorkClock:
                 pairs = self._pending.popleft()
                 self._recent.append(sum(a.seconds_until(b) for a, b in pairs))
 
-    def recent_mean(self) -> float | None:
-        self._drain()
+    def recent(self) -> float | None:
+        """The median own work per step of the recent steps (None before the first); host data
+        only: any thread may call it."""
         with self._lock:
-            return sum(self._recent) / len(self._recent) if self._recent else None
+            return statistics.median(self._recent) if self._recent else None
 
 
 # --- DDP, with no change to the job's code ---------------------------------------------------------
@@ -151,6 +212,8 @@ def install_ddp_timing(clock: WorkClock) -> Callable[[], None]:
             for param in self.module.parameters():
                 if param.requires_grad:
                     param.register_post_accumulate_grad_hook(lambda _param: clock.gradient_ready())
+            self.module.register_forward_pre_hook(lambda _module, _args: clock.compute_started())
+        clock.forward_entered()
         return original_forward(self, *args, **kwargs)
 
     DDP.forward = forward

@@ -55,7 +55,7 @@ class ProgressBeacon:
         self.path = path
         self.phase = "starting"
         self.steps: Callable[[], int] = lambda: 0
-        self.work_s: Callable[[], float | None] = lambda: None  # own work per step, recent mean
+        self.work_s: Callable[[], float | None] = lambda: None  # own work per step, recent median
         self._stop = threading.Event()
         self._interval = interval_s
         self._identity = {"pid": os.getpid(), "pid_start": process_start_ticks()}  # see stage_worker_pids
@@ -72,8 +72,8 @@ class ProgressBeacon:
             if work_s is not None:
                 beacon["work_s"] = round(work_s, 6)
             write_json_atomic(self.path, beacon)
-        except OSError:
-            pass  # progress is best effort; the report is what counts
+        except Exception:  # noqa: BLE001 - progress is best effort; the report is what counts
+            pass
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -149,7 +149,7 @@ class _Rank:
             recorder.add_step_hook(hook)
         self.recorder = recorder
         self.beacon.steps = lambda: recorder.steps
-        self.beacon.work_s = recorder.work_clock.recent_mean
+        self.beacon.work_s = recorder.work_clock.recent
         if self.report.world_size > 1 and self.config.time_ddp:  # every DDP model the job builds reports its own work per step
             self.undo_ddp_timing = _time_ddp_models(recorder.work_clock)  # undone in finish()
         return entry, device

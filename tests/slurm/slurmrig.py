@@ -208,10 +208,13 @@ def _free_slot() -> int:
     for slot in range(SLOTS):
         if slot in used:
             continue
-        fd = os.open(f"/tmp/gpulaunch-slurmrig-slot{slot}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fd = os.open(f"/tmp/gpulaunch-slurmrig-slot{slot}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError:  # another user's lock file: their slot
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError:  # held by another rig (or not ours to lock)
             os.close(fd)
             continue
         _taken_slots[slot] = fd
