@@ -199,7 +199,7 @@ class RankProgress:
     t: float | None = None
     pid: int | None = None
     pid_start: float | int | None = None
-    work_s: float | None = None  # own work per step (not waiting for peers), recent mean
+    work_s: float | None = None  # own work per step (not waiting for peers), median of recent steps
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "RankProgress":

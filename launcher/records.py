@@ -151,7 +151,7 @@ class Straggler:
     rank: int
     host: str
     device: str
-    work_s: float  # the rank's own work per step when flagged (recent mean)
+    work_s: float  # the rank's own work per step when flagged (median of recent steps)
     peers_median_s: float  # the other ranks' median at that moment
     flagged_after_s: float  # seconds into the stage when the flag went up
     peak_ratio: float = 0.0

@@ -26,7 +26,7 @@ class RankLive:
     phase: str
     steps: int
     beacon_t: float | None  # when the beacon was last written (the rank's own clock)
-    work_s: float | None = None  # own work per step apart from waiting for peers, recent mean
+    work_s: float | None = None  # own work per step apart from waiting for peers, median of recent steps
     straggler: bool = False  # flagged by the run loop's straggler watch
 
 

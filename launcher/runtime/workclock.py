@@ -150,6 +150,7 @@ class WorkClock:
             with self._lock:
                 self._pending.append(tuple(self._spans))
         self._started, self._spans, self._ready, self._span_start = True, [], None, now
+        self._backward_queued = False  # a backward that failed never ran its callback
         self._drain()
 
     # --- ``ctx.metrics.work()`` side -------------------------------------------------------------
