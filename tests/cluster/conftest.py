@@ -37,6 +37,7 @@ import psutil
 import pytest
 
 from launcher.procutil import cmdline
+from tests.netns import netns_pids, sh
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.231.7"
@@ -57,18 +58,6 @@ def missing_tools() -> str | None:
         return f"cannot create a network namespace here: {done.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
-
-
-def sh(*argv: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done
-
-
-def netns_pids(ns: str) -> set[int]:
-    done = sh("ip", "netns", "pids", ns, check=False)
-    return {int(p) for p in done.stdout.split() if p.strip().isdigit()} if done.returncode == 0 else set()
 
 
 def _kill(pids: set[int]) -> None:

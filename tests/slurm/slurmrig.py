@@ -53,6 +53,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.netns import netns_pids, sh
+
 SUBNET = "10.231.9"  # a /24 cut into /28 slots, one per rig: 16 rigs at once, 13 nodes per rig
 SLOTS = 16
 PID = os.getpid()
@@ -98,18 +100,6 @@ def missing_tools() -> str | None:
         return f"cannot create a network namespace here: {done.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
     return None
-
-
-def sh(*argv: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    done = subprocess.run(list(argv), check=False, capture_output=True, text=True, timeout=timeout)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done
-
-
-def netns_pids(ns: str) -> set[int]:
-    done = sh("ip", "netns", "pids", ns, check=False)
-    return {int(p) for p in done.stdout.split() if p.strip().isdigit()} if done.returncode == 0 else set()
 
 
 def alive(pid: int) -> bool:
