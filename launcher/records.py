@@ -162,17 +162,23 @@ class Straggler:
         return self.work_s / self.peers_median_s if self.peers_median_s > 0 else float("inf")
 
     def describe(self) -> str:
+        times = f"{self.ratio:.1f}x" if self.peers_median_s > 0 else "their figure is 0"
         return (f"straggler: rank {self.rank} on {self.host} ({self.device}): own work {_ms(self.work_s)} per step "
-                f"vs {_ms(self.peers_median_s)} for its peers (median), {self.ratio:.1f}x")
+                f"vs {_ms(self.peers_median_s)} for its peers (median), {times}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "host": self.host, "device": self.device,
             "work_s": round(self.work_s, 6), "peers_median_s": round(self.peers_median_s, 6),
-            "ratio": round(self.ratio, 3), "peak_ratio": round(max(self.peak_ratio, self.ratio), 3),
+            # None where the peers' median is 0 (an infinite ratio is not JSON)
+            "ratio": _finite(self.ratio), "peak_ratio": _finite(max(self.peak_ratio, self.ratio)),
             "flagged_after_s": round(self.flagged_after_s, 3),
             "cleared_after_s": None if self.cleared_after_s is None else round(self.cleared_after_s, 3),
         }  # fmt: skip
+
+
+def _finite(ratio: float) -> float | None:
+    return round(ratio, 3) if ratio != float("inf") else None
 
 
 def _ms(seconds: float) -> str:

@@ -132,7 +132,7 @@ def _straggler_lines(stages: list[Mapping[str, Any]]) -> list[Text]:
             out.append(Text(
                 f"straggler (world {stage['world_size']}): rank {s['rank']} on {s['host']} ({s['device']}), own work "
                 f"{s['work_s'] * 1e3:.1f} ms per step vs {s['peers_median_s'] * 1e3:.1f} ms for its peers "
-                f"(up to {s['peak_ratio']:.1f}x), from {s['flagged_after_s']:.0f} s {held}",
+                f"(up to {s['peak_ratio'] or float('inf'):.1f}x), from {s['flagged_after_s']:.0f} s {held}",
                 style="yellow",
             ))  # fmt: skip
     return out

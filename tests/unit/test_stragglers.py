@@ -181,3 +181,13 @@ def test_one_slow_step_does_not_make_a_straggler():
             time.sleep(0.2 if k == 4 else 0.005)
         recorder.step()
     assert recorder.work_clock.recent() < 0.02
+
+
+def test_peers_with_a_zero_figure_give_a_flag_that_is_still_valid_json():
+    import json
+
+    watch = StragglerWatch(SLOTS, StragglerPolicy(factor=1.5, hold_s=0.0))
+    _, changes = watch.update(reading(1.0, {0: 0.0, 1: 0.01, 2: 0.0, 3: 0.0}))
+    assert [c.straggler.rank for c in changes] == [1]
+    doc = json.dumps(watch.flagged[0].to_dict(), allow_nan=False)  # no Infinity in result.json
+    assert json.loads(doc)["ratio"] is None and "their figure is 0" in changes[0].describe()
