@@ -38,6 +38,7 @@ import pytest
 
 from launcher.procutil import cmdline
 from tests.netns import netns_pids, sh
+from tests.waiting import wait_empty
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.231.7"
@@ -173,12 +174,7 @@ class NetnsCluster:
         return found
 
     def wait_clean(self, timeout_s: float = 15.0) -> dict[str, set[int]]:
-        deadline = time.monotonic() + timeout_s
-        left = self.leftovers()
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = self.leftovers()
-        return left
+        return wait_empty(self.leftovers, timeout_s)
 
     def describe(self, pids: dict[str, set[int]]) -> str:
         out = []

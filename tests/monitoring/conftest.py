@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import pytest
 
+from tests.waiting import poll
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -26,14 +28,10 @@ def free_port() -> int:
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {value!r})")
-        time.sleep(interval_s)
+    value = poll(predicate, timeout_s, interval_s)
+    if not value:
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {value!r})")
+    return value
 
 
 @dataclass

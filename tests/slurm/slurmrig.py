@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.netns import netns_pids, sh
+from tests.waiting import poll, wait_empty
 
 SUBNET = "10.231.9"  # a /24 cut into /28 slots, one per rig: 16 rigs at once, 13 nodes per rig
 SLOTS = 16
@@ -359,14 +360,10 @@ class SlurmRig:
         return self.scontrol_show("job", job_id)
 
     def wait_for(self, what: str, predicate, timeout_s: float = 30.0, interval_s: float = 0.2):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}\n{self.log_tail()}")
-            time.sleep(interval_s)
+        value = poll(predicate, timeout_s, interval_s)
+        if not value:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}\n{self.log_tail()}")
+        return value
 
     def wait_idle(self, names: list[str] | None = None, timeout_s: float = 30.0) -> None:
         want = set(names or self.node_names)
@@ -413,12 +410,7 @@ class SlurmRig:
         return found
 
     def wait_clean(self, timeout_s: float = 15.0) -> dict[str, set[int]]:
-        deadline = time.monotonic() + timeout_s
-        left = self.leftovers()
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = self.leftovers()
-        return left
+        return wait_empty(self.leftovers, timeout_s)
 
     def describe(self, pids: dict[str, set[int]]) -> str:
         out = []
