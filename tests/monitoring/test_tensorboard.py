@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -103,3 +105,18 @@ def test_nothing_to_write_or_no_tensorboard_is_no_error(tmp_path, monkeypatch):
     monkeypatch.setattr(tb, "available", lambda: False)  # the optional extra is not installed
     assert tb.write_scalars(RESULT, tmp_path) == []
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_writing_imports_no_torch(tmp_path):
+    """The launcher writes the events at the end of every run: torch's SummaryWriter would cost it a
+    1.5 s import of torch for a handful of scalars."""
+    pytest.importorskip("tensorboard")
+    code = (
+        "import json, sys\n"
+        "from launcher.results import tensorboard as tb\n"
+        f"files = tb.write_scalars(json.loads(sys.argv[1]), {str(tmp_path)!r})\n"
+        "print('FILES', len(files), 'TORCH', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(RESULT)], capture_output=True, text=True, check=True)
+    assert "FILES 2 TORCH False" in done.stdout, done.stdout + done.stderr
+    assert read(tmp_path / "tensorboard" / "world2")["loss/rank1"] == [(0, 2.5), (1, 1.5)]
