@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import psutil
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -56,6 +57,16 @@ def die_with_parent(sig: signal.Signals, expected_parent: int | None = None) -> 
         return
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(128 + int(sig))
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps -o comm``, ``top`` and ``/proc/PID/comm`` show (15 bytes at most); the command
+    line stays. For a process forked from another that does a different job. No-op off Linux."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:

@@ -7,11 +7,14 @@ with ``--start-method=forkserver`` and the ``-m launcher.runtime.worker WORKER_J
 hands torchrun ``launcher.worker.forked_rank`` as a function entrypoint instead of a command, so
 that torchrun forks the ranks from a multiprocessing forkserver that has imported torch once.
 
-Why a forkserver and not the agent itself: torchrun's launcher API calls
+Why a server and not the agent itself: torchrun's launcher API calls
 ``torch.cuda.is_available()`` in the agent, and children forked after CUDA is initialised cannot
-use it. The server is a fresh interpreter started before the agent imports torch, so the two
-imports overlap; a rank forked from it starts with torch, torch.distributed and the launcher's
-runtime already imported, and with the server's default signal handlers.
+use it. So the agent imports torch and the runtime (``rank_preload``) first, then forks the server
+before torchrun touches CUDA: the server starts with everything a rank needs already imported, at
+no cost of its own (a server started as a fresh interpreter would import torch a second time, 1.5 s
+of CPU per node and stage), and serves multiprocessing's forkserver protocol, so torchrun's
+``start_method=forkserver`` forks the ranks from it. A rank forked from it starts with torch,
+torch.distributed and the launcher's runtime already imported.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import time
 from multiprocessing.context import ForkServerProcess
 from typing import Any
 
-from launcher.procutil import die_with_parent, fast_exit, oom_kill_count, signal_name
+from launcher.procutil import die_with_parent, fast_exit, oom_kill_count, set_process_name, signal_name
 from launcher.protocol import AGENT_FAILURE_TAG, ENV_AGENT_PID, ENV_PARENT_PID, PORT_IN_USE_EXIT
 
 FORKED_ENTRYPOINT = ("-m", "launcher.runtime.worker")
+RANK_SERVER_NAME = "gpulaunch-ranks"  # the rank server's process name (it shares the agent's command line)
 
 
 class _LossyStream:
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     forked_config = _forked_rank_config(argv)
     if forked_config is not None:
-        _start_rank_server()  # before our own `import torch`: the server imports it meanwhile
+        _start_rank_server()  # before torchrun (and CUDA): the server is this process's fork
 
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -158,13 +162,43 @@ def _forked_rank_config(argv: list[str]) -> str | None:
 
 
 def _start_rank_server() -> None:
+    """Fork the node's rank server from this agent, once it has imported what every rank needs,
+    and point multiprocessing's forkserver context (the one torch uses for
+    ``start_method=forkserver``) at it. The same steps as ``ForkServer.ensure_running``, with a
+    fork in place of a fresh interpreter."""
     import multiprocessing
-    from multiprocessing import forkserver
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker
 
-    context = multiprocessing.get_context("forkserver")  # the one torch gets for start_method=forkserver
-    context.set_forkserver_preload(["launcher.runtime.rank_preload"])
+    from launcher.runtime import rank_preload
+
+    context = multiprocessing.get_context("forkserver")
     context.Process = _RankProcess
-    forkserver.ensure_running()
+    server = forkserver._forkserver  # noqa: SLF001 - the context's server, which torch's ranks ask for
+    resource_tracker.ensure_running()  # before the fork: the ranks share the agent's tracker
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        # every client (the agent, its ranks) holds the write end; the server ends at EOF on it
+        alive_r, alive_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the server: serve fork requests until the agent is gone
+            try:
+                os.close(alive_w)
+                set_process_name(RANK_SERVER_NAME)  # in ps/top: not a second agent
+                sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # the ranks get plain streams
+                rank_preload.become_rank_server()
+                forkserver.main(listener.fileno(), alive_r, [])
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    server._forkserver_address = address  # noqa: SLF001
+    server._forkserver_alive_fd = alive_w  # noqa: SLF001
+    server._forkserver_pid = pid  # noqa: SLF001
 
 
 if __name__ == "__main__":

@@ -39,10 +39,12 @@ def test_ranks_start_the_way_the_spec_says_and_compute_the_same(tmp_path, start_
     assert {x["stage_dir_env"] for x in lineage} == {stage_dir}
     parents = {x["parent_pid"] for x in lineage}
     if start_method == "forkserver":
-        # both ranks are children of the same server, which preloaded torch and the runtime
+        # both ranks are children of the same server, a fork of the agent that had imported torch
+        # and the runtime: named for what it does, the agent's command line, the agent its parent
         assert len(parents) == 1
-        assert "multiprocessing.forkserver" in lineage[0]["parent_cmdline"]
-        assert "launcher.runtime.rank_preload" in lineage[0]["parent_cmdline"]
+        assert lineage[0]["parent_name"] == "gpulaunch-ranks"
+        assert "launcher.runtime.agent" in lineage[0]["parent_cmdline"]
+        assert lineage[0]["grandparent_cmdline"] == lineage[0]["parent_cmdline"]
     else:
         assert len(parents) == 1 and "launcher.runtime.agent" in lineage[0]["parent_cmdline"]
         assert "--start-method=spawn" in lineage[0]["parent_cmdline"]
