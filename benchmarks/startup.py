@@ -26,7 +26,7 @@ result.json. Ray variants are skipped, with the reason printed, when the Ray bac
 or fails its first run.
 
     python benchmarks/startup.py            # 7 repetitions
-    python benchmarks/startup.py --smoke    # 1 repetition, torchrun variants only
+    python benchmarks/startup.py --smoke    # 1 repetition of torchrun and launch
     python benchmarks/startup.py --full --reps 15
 """
 
@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         name, _, path = spec.partition("=")
         variants[f"launch[{name}]"] = make_launch("torchrun", args.device, pythonpath=str(Path(path).resolve()))
     skipped: dict[str, str] = {}
+    if args.smoke:  # the smoke run checks the script, not the figures: one launch variant is enough
+        del variants["launch_spawn"]
+        skipped["launch_spawn"] = "smoke mode (launch's code path with --set start_method=spawn)"
     cluster: RayCluster | None = None
     ray_tmp = Path(tempfile.mkdtemp(prefix="glb-rt-", dir="/tmp"))  # the embedded Ray's temp dir
     why = "smoke mode (Ray start-up takes longer than the smoke budget)" if args.smoke else (

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from multiprocessing.context import ForkServerProcess
 from typing import Any
 
@@ -185,7 +186,12 @@ def _start_rank_server() -> None:
         alive_r, alive_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of fork() in a process with threads: the only other one here is
+            # the BLAS pool that `import torch` starts, idle, and multiprocessing's own forkserver
+            # forks every rank from such a process too
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:  # the server: serve fork requests until the agent is gone
             try:
                 os.close(alive_w)

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def run(ctx):
     slow_rank, extra_s = ctx.param("slow_rank", 1), ctx.param("extra_s", 0.02)
     duration_s = ctx.param("duration_s", 4.0)
+    idle_s = ctx.param("idle_s", 0.0)  # every rank, between steps: outside its own work
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 32).to(ctx.device)
     by_hand = ctx.param("sections", False)
@@ -40,6 +41,8 @@ def run(ctx):
             opt.step()
         ctx.metrics.step()
         steps += 1
+        if idle_s:
+            time.sleep(idle_s)
     return {"steps": steps}
 
 

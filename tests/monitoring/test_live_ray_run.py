@@ -38,9 +38,9 @@ pytestmark = pytest.mark.slow
 JOB = "live_ray_metrics"
 SPEC = f"""\
 name: {JOB}
-entrypoint: launcher.workloads.matmul:run
-# trials of 300 matmuls until eight seconds have passed, however fast the machine: several scrapes
-params: {{sizes: [256], iters: 300, trials: 3, min_time_s: 8, warmup: 1, concurrent_iters: 1}}
+entrypoint: tests.monitoring.stepper_job:run
+# a step every 20 ms for eight seconds, however fast the machine: several scrapes
+params: {{seconds: 8, step_s: 0.02}}
 resources: {{cpu_workers: 2}}
 scaling: {{workers: [2]}}
 """

@@ -20,7 +20,7 @@ from tests.conftest import REPO
 SPEC = """\
 name: straggler
 entrypoint: tests.monitoring.straggler_job:run
-params: {{slow_rank: {slow_rank}, extra_s: {extra_s}, duration_s: {duration_s}, sections: {sections}}}
+params: {{slow_rank: {slow_rank}, extra_s: {extra_s}, duration_s: {duration_s}, sections: {sections}, idle_s: {idle_s}}}
 resources: {{cpu_workers: {world}}}
 monitoring: {{straggler_hold_s: 1.0}}
 """
@@ -31,7 +31,7 @@ class LiveRun:
 
     def __init__(self, tmp_path: Path, **params: object) -> None:
         spec = tmp_path / "straggler.yaml"
-        spec.write_text(SPEC.format(**params))
+        spec.write_text(SPEC.format(**{"idle_s": 0.0, **params}))
         self.out_dir = tmp_path / "runs"
         self.lines: list[str] = []
         self.straggler_gauge: dict[str, float] = {}  # rank -> the last gpulaunch_straggler value seen as 1
@@ -113,7 +113,8 @@ def test_job_that_marks_its_own_work_names_its_slow_rank(tmp_path):
 
 
 def test_balanced_ddp_job_flags_no_one(tmp_path):
-    run = LiveRun(tmp_path, slow_rank=1, extra_s=0.0, duration_s=4.0, sections="false", world=2)
+    # 30 ms asleep between steps, outside the ranks' own work: the same measurement on less CPU
+    run = LiveRun(tmp_path, slow_rank=1, extra_s=0.0, duration_s=4.0, sections="false", world=2, idle_s=0.03)
     result = run.wait()
     (stage,) = result["stages"]
     assert stage["stragglers"] == []

@@ -1,5 +1,5 @@
-"""What a Ray run may touch and how it ends: an embedded run kills only Ray's own processes (never
-the caller's other subprocesses), ``launch stop`` or a signal to ``launch --address`` stops the
+"""What a Ray run may touch and how it ends: an embedded run listens on loopback only and kills
+only Ray's own processes (never the caller's other subprocesses), ``launch stop`` or a signal to ``launch --address`` stops the
 submitted job, and ``resources.nodes > 1`` is refused before anything is submitted.
 
 The three runs that are ended (by ``launch stop``, SIGTERM, SIGINT) are submitted side by side
@@ -25,25 +25,54 @@ from launcher.procutil import pid_alive, wait_gone
 from tests.ray.conftest import REPO, RayHead, descendants, launch, wait_no_orphans
 
 pytestmark = pytest.mark.slow
-SMALL = ["params.sizes=[64]", "params.iters=3", "params.warmup=1", "scaling.workers=[1]"]
 
 
+LOOPBACK_SPEC = """\
+name: loopback
+entrypoint: launcher.workloads.matmul:run
+params: {sizes: [128], iters: 200, trials: 3}
+backend: ray
+resources: {cpu_workers: 2}
+scaling: {workers: [2]}
+"""
+
+
+def _listeners(pids: set[int]) -> list[str]:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 @pytest.mark.usefixtures("no_ray_driver")
-def test_embedded_run_in_process_spares_the_callers_other_processes(tmp_path: Path) -> None:
-    """A notebook or a service calling run_job keeps its own subprocesses; Ray's are all gone."""
+def test_embedded_run_in_process_listens_on_loopback_only_and_spares_the_callers_processes(tmp_path: Path) -> None:
+    """A notebook or a service calling run_job keeps its own subprocesses; Ray's are all gone. While
+    the ranks run, every socket the embedded Ray's processes listen on is on 127.0.0.1 (checked with
+    ``ss``; Ray would otherwise use the machine's address and every interface)."""
     import launcher
 
+    spec = tmp_path / "loopback.yaml"
+    spec.write_text(LOOPBACK_SPEC)
+    seen: list[str] = []
     bystander = subprocess.Popen(["sleep", "300"])
     try:
-        baseline = descendants(os.getpid())
+        baseline = descendants(os.getpid())  # another test's Ray head is not this run's
         assert bystander.pid in baseline
-        result = launcher.run_job(REPO / "jobs" / "matmul_scaling.yaml", overrides=SMALL, backend="ray", out=tmp_path)
-        assert result.status == "succeeded"
+
+        class Watch(launcher.RunEvents):
+            def progress(self, plan, progress):  # noqa: ANN001 - while the ranks run: every Ray process is up
+                if not seen:
+                    seen.extend(_listeners(descendants(os.getpid()) - baseline))
+
+        result = launcher.run_job(spec, out=tmp_path / "runs", events=Watch(), metrics=False)
+        assert result.status == "succeeded", result.data.get("failure")
         assert bystander.poll() is None and pid_alive(bystander.pid), "the caller's own subprocess was killed"
         assert wait_no_orphans(baseline) == [], "a Ray process of the embedded run is still alive"
     finally:
         bystander.kill()
         bystander.wait()
+    assert len(seen) >= 3, seen  # gcs_server, raylet, the dashboard and its agent, the rank actors
+    off_loopback = [addr for addr in seen if not addr.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))]
+    assert off_loopback == [], seen
 
 
 def _jobs(head: RayHead) -> list[dict]:
