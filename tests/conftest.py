@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 # first (real clusters, then real processes), the unit tests last. The Slurm and sshd rigs come up
 # in about a second, so each file there builds its own, in network namespaces of its own.
 SHARED_RIG_DIRECTORIES = ("ray",)
-RUN_FIRST = ("ray", "slurm", "cluster", "jobs", "integration", "monitoring", "benchmarks")
+# The order units start in: the longest first (tests/ray's ~2 min on one worker, the benchmark
+# smoke's single 40 s test), so that no long unit is left to run alone at the end.
+RUN_FIRST = ("ray", "benchmarks", "slurm", "cluster", "jobs", "integration", "monitoring")
 
 
 def xdist_unit_of(nodeid: str) -> str:
