@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -139,6 +140,19 @@ class RankError:
             traceback=str(data.get("traceback", "")),
             time=float(data.get("time") or 0.0),
         )
+
+
+# Errors a rank raises because a *peer* died under it (its collective's connection went away):
+# collateral, never the root cause when a rank is known to have died without a report of its own.
+PEER_LOSS = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|remote (process|peer|worker)"
+    r"|communicator was aborted|NCCL.*(abort|Watchdog)|peer .*(closed|crashed|died|exited)",
+    re.IGNORECASE,
+)
+
+
+def is_peer_loss(error: RankError) -> bool:
+    return bool(PEER_LOSS.search(f"{error.type}: {error.message}"))
 
 
 @dataclass

@@ -11,16 +11,9 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from launcher.protocol import RankError, RankReport, RankStatus
+from launcher.protocol import RankReport, RankStatus, is_peer_loss
 from launcher.records import Failure, FailureReason, RankExit, RootCause
 
-# Errors a rank raises because a *peer* died under it: collateral, never the root cause when a
-# rank is known to have died without a report of its own.
-PEER_LOSS = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|DistNetworkError|remote (process|peer|worker)"
-    r"|communicator was aborted|NCCL.*(abort|Watchdog)|peer .*(closed|crashed|died|exited)",
-    re.IGNORECASE,
-)
 LOG_TAIL_LINES = 20
 # The error type of a rank whose host was lost (its connection closed, or it fell silent): the
 # launcher writes it for that host's ranks (``launcher.backends.ssh``); never a peer's loss.
@@ -31,10 +24,6 @@ CUDA_ON_CPU_HINT = (
     "this rank ran on the CPU (no GPU visible here) and the job's code uses CUDA or NCCL: run it where "
     "GPUs are, or let it follow the device it is given (ctx.device, or cuda only if torch.cuda.is_available(), with gloo)"
 )
-
-
-def is_peer_loss(error: RankError) -> bool:
-    return bool(PEER_LOSS.search(f"{error.type}: {error.message}"))
 
 
 def log_tail(path: str | None, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from launcher.backends.base import Backend, BackendStatus
-from launcher.control.diagnosis import explain_failure, is_peer_loss
+from launcher.control.diagnosis import explain_failure
 from launcher.control.events import RankLive, RunEvents, StageProgress
 from launcher.control.logrouting import LogRouter
 from launcher.control.planning import StagePlan
 from launcher.control.stragglers import StragglerWatch
 from launcher.masking import redact_document, scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
-from launcher.protocol import RankError, RankProgress, RankReport, RankStatus
+from launcher.protocol import RankError, RankProgress, RankReport, RankStatus, is_peer_loss
 from launcher.records import FailureReason, RunStatus, StageOutcome
 
 POLL_S = 0.05

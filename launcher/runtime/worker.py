@@ -41,6 +41,7 @@ from launcher.protocol import (  # noqa: E402
     RankStatus,
     StagePaths,
     WorkerConfig,
+    is_peer_loss,
 )
 
 
@@ -203,6 +204,14 @@ class _Rank:
             dist.destroy_process_group()
 
 
+# A rank whose collective failed because a peer left waits this long before it says so and
+# reports: the process layer (torchrun's agent, every 0.1 s; the Ray backend) stops such ranks as
+# collateral meanwhile, so the root cause's traceback is the one the console shows, not followed by
+# each peer's "Connection closed by peer" (which a loaded machine lets them print first). A rank
+# that is not stopped, say the first to see a lost host, still reports, this much later.
+PEER_LOSS_GRACE_S = 2.0
+
+
 def run_rank(
     config: WorkerConfig,
     env: Mapping[str, str],
@@ -236,6 +245,8 @@ def run_rank(
             traceback.print_exc()
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a report
         rank.report.error = _error(exc)
+        if rank.report.world_size > 1 and is_peer_loss(rank.report.error):
+            time.sleep(PEER_LOSS_GRACE_S)  # the usual end: stopped here, as collateral, in silence
         traceback.print_exc()
     finally:
         rank.finish()
