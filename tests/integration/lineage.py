@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 
 def run(ctx: Any) -> dict[str, Any]:
     import torch
@@ -18,18 +20,10 @@ def run(ctx: Any) -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "parent_pid": parent,
-        "parent_cmdline": _cmdline(parent),
-        "parent_name": Path(f"/proc/{parent}/comm").read_text().strip(),
-        "grandparent_cmdline": _cmdline(_parent_of(parent)),
+        "parent_cmdline": " ".join(psutil.Process(parent).cmdline()),
+        "parent_name": Path(f"/proc/{parent}/comm").read_text().strip(),  # what prctl(PR_SET_NAME) set
+        "grandparent_cmdline": " ".join(psutil.Process(psutil.Process(parent).ppid()).cmdline()),
         "sum": float(value.item()),
         "stage_dir_env": os.environ.get("GPULAUNCH_STAGE_DIR"),
     }
 
-
-def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-def _parent_of(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
