@@ -25,10 +25,20 @@ ENV_AGENT_PID = "GPULAUNCH_AGENT_PID"  # the ranks die with their agent
 ENV_RAY_CONNECT = "GPULAUNCH_RAY_CONNECT"  # inside a Ray job: connect to the cluster, never embed one
 ENV_GRANTED_GPU = "GPULAUNCH_GRANTED_GPU"  # the GPU Ray granted this rank's actor
 ENV_RANK_SERVER_PID = "GPULAUNCH_RANK_SERVER_PID"  # the forkserver that forked this rank
+ENV_SLURM_INSIDE = "GPULAUNCH_SLURM_INSIDE"  # set by the sbatch script: the launcher runs inside its Slurm job
 
 # --- tagged lines on an agent's or a host helper's output ---------------------------------------
 AGENT_FAILURE_TAG = "gpulaunch-agent-failure: "  # one JSON record per failed rank
 HOST_ANSWER_TAG = "gpulaunch-ssh-json: "  # the host helper's one JSON answer
+# A node's ranks' beacons and reports, forwarded by its agent on its own output: the one live
+# channel from every rank to the run loop, whatever carries the agent's output (a local pipe,
+# an SSH session, an srun step). One compact JSON object a line (``rank_event_lines``); one
+# longer than a pipe writes at once arrives as numbered parts (``RANK_EVENTS_PART_TAG``).
+RANK_EVENTS_TAG = "@gpulaunch-ranks "
+RANK_EVENTS_PART_TAG = "@gpulaunch-ranks-part "
+# A pipe takes a write of up to PIPE_BUF (4096 bytes on Linux) whole, never interleaved with
+# another writer's (the agent's stdout and stderr share one pipe): every forwarded line fits.
+LINE_LIMIT = 4000
 LOG_PREFIX_SEPARATOR = "| "  # rank lines arrive as "host:rank| text"
 # the agent exits with EADDRINUSE's errno when another process bound the rendezvous port first
 PORT_IN_USE_EXIT = 98
@@ -155,6 +165,13 @@ def is_peer_loss(error: RankError) -> bool:
     return bool(PEER_LOSS.search(f"{error.type}: {error.message}"))
 
 
+# The error types of ranks that went with their host rather than failing themselves (written by
+# the launcher, never raised by a rank): a lost SSH host, a lost Slurm node, a Ray actor that died.
+HOST_LOST = "HostLost"
+NODE_LOST = "NodeLost"
+ACTOR_DIED = "ActorDied"
+
+
 @dataclass
 class RankReport:
     """What one rank reports at its end (``reports/rank<k>.json``), or what the launcher knows of
@@ -214,6 +231,11 @@ class RankProgress:
     pid: int | None = None
     pid_start: float | int | None = None
     work_s: float | None = None  # own work per step (not waiting for peers), median of recent steps
+    work_mad_s: float | None = None  # how much those steps vary: their median absolute deviation
+    work_n: int | None = None  # how many recent steps the figure covers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "RankProgress":
@@ -228,4 +250,61 @@ class RankProgress:
             pid=data.get("pid") if isinstance(data.get("pid"), int) else None,
             pid_start=data.get("pid_start"),
             work_s=float(work) if isinstance(work := data.get("work_s"), (int, float)) else None,
+            work_mad_s=float(mad) if isinstance(mad := data.get("work_mad_s"), (int, float)) else None,
+            work_n=int(n) if isinstance(n := data.get("work_n"), int) else None,
         )
+
+
+def rank_event_lines(*, beacons: Mapping[int, Mapping[str, Any]] | None = None, report: Mapping[str, Any] | None = None, key: str = "") -> list[str]:
+    """The lines a node's agent forwards: the beacons of its ranks that changed (rank -> the
+    beacon file's content) and/or one rank's report (as its file holds it). One line when it fits
+    ``LINE_LIMIT``; else numbered parts, ``key`` telling this message's parts from others'."""
+    data: dict[str, Any] = {}
+    if beacons:
+        data["beacons"] = {str(rank): dict(beacon) for rank, beacon in beacons.items()}
+    if report is not None:
+        data["report"] = dict(report)
+    payload = json.dumps(data, separators=(",", ":"), default=str)  # ASCII: a character is a byte
+    if len(RANK_EVENTS_TAG) + len(payload) <= LINE_LIMIT:
+        return [RANK_EVENTS_TAG + payload]
+    room = LINE_LIMIT - len(RANK_EVENTS_PART_TAG) - len(key) - 24
+    parts = [payload[i : i + room] for i in range(0, len(payload), room)]
+    return [f"{RANK_EVENTS_PART_TAG}{key} {i}/{len(parts)} {part}" for i, part in enumerate(parts)]
+
+
+class RankEventParts:
+    """Puts a long forwarded message back together from its parts (which arrive in order, each
+    whole, possibly between other lines); ``feed`` returns the whole line once the last part came."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[str]] = {}
+
+    def feed(self, line: str) -> str | None:
+        try:
+            key, position, part = line[len(RANK_EVENTS_PART_TAG) :].split(" ", 2)
+            index, total = (int(x) for x in position.split("/"))
+        except ValueError:
+            return None
+        parts = self._parts.setdefault(key, [])
+        if index != len(parts):  # a part was lost: drop the message (the report's fetch makes up for it)
+            self._parts.pop(key, None)
+            return None
+        parts.append(part)
+        if len(parts) < total:
+            return None
+        del self._parts[key]
+        return RANK_EVENTS_TAG + "".join(parts)
+
+
+def decode_rank_events(line: str) -> tuple[dict[int, RankProgress], RankReport | None] | None:
+    """The beacons and the report a forwarded line carries; None for any other line (or one
+    that does not parse: it was cut short, and it is bookkeeping either way)."""
+    if not line.startswith(RANK_EVENTS_TAG):
+        return None
+    try:
+        data = json.loads(line[len(RANK_EVENTS_TAG) :])
+        beacons = {int(rank): RankProgress.from_dict(beacon) for rank, beacon in (data.get("beacons") or {}).items()}
+        report = RankReport.from_dict(data["report"]) if isinstance(data.get("report"), Mapping) else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return beacons, report

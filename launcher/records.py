@@ -75,6 +75,7 @@ class RankExit:
     signal: str | None = None
     oom_suspected: bool = False
     host: str | None = None
+    collateral: bool = False  # stopped by its agent because another rank failed first
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,17 @@ class Failure:
 @dataclass(frozen=True)
 class StragglerPolicy:
     """When a rank counts as a straggler: its own work per step above ``factor`` times its peers'
-    median (and at least ``MIN_EXCESS_S`` above it) for ``hold_s`` seconds in a row."""
+    median for ``hold_s`` seconds in a row, by more than the machine's noise: at least
+    ``MIN_EXCESS_S``, and ``NOISE_K`` times the rank's own step-to-step spread (a rank that a busy
+    CPU delays now and then has a wide spread; one that is slower every step, a narrow one). A
+    figure is judged once it covers ``WARM_STEPS`` steps: a run's first steps (allocations, lazy
+    initialisation) say nothing about a rank's pace."""
 
     factor: float = 1.5
     hold_s: float = 5.0
     MIN_EXCESS_S = 0.001  # below a millisecond a ratio says nothing a user can act on
+    NOISE_K = 3.0
+    WARM_STEPS = 20  # the rank's work clock's window (launcher.runtime.workclock.RECENT_STEPS)
 
 
 @dataclass

@@ -1,16 +1,18 @@
-"""The Ray backend: one Ray actor per rank, reserved together in a placement group.
+"""The Ray engine: one Ray actor per rank, reserved together in a placement group.
 
-The actors run the same per-rank runtime as torchrun's workers (``launcher.worker.run_rank``)
-with the env torchrun would give them (``StagePlan.rank_env``, laid out by ``control.planning.place_ranks``), and form one torch.distributed
-process group whose address and port come from rank 0's node. ``RayBackend.session`` starts an
-embedded local Ray once per run (dashboard on 127.0.0.1) and shuts it down completely at the end;
-inside a Ray job (``launch --address``, see ``launcher.backends.ray_jobs``) it connects to that cluster.
+The actors run the same per-rank runtime as torchrun's workers (``launcher.runtime.worker.run_rank``)
+with the env torchrun would give them (``StagePlan.rank_env``, laid out by ``stage.plan.place_ranks``),
+and form one torch.distributed process group whose address and port come from rank 0's node.
+``RayEngine.session`` starts an embedded local Ray once per run (dashboard on 127.0.0.1) and shuts
+it down completely at the end; inside a Ray job (``launch --address``, see
+``launcher.backends.ray_jobs``) it connects to that cluster.
 
 Lifecycle of one stage: ``start`` creates the placement group (gang scheduling: all bundles or
 none) and the named actors ``<job>-rank<k>``; ``poll`` waits for the group within
-``timeouts.rendezvous_s``, then hands every actor its env and runs it, streams each actor's output
-to the LogRouter and reports how ranks ended; ``stop`` kills the actors and removes the group;
-``collect`` writes the returned reports into the launcher's stage directory.
+``timeouts.rendezvous_s``, then hands every actor its env and runs it. The stage's live channel is
+Ray's own: each actor keeps one ``drain`` call in flight, which returns its new output lines and
+its latest beacon (at least every ``DRAIN_WAIT_S``), wherever in the cluster it runs; each ``run``
+returns the rank's report. ``stop`` kills the actors and removes the group.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launcher.backends.base import Backend, BackendStatus, LaunchRequest
-from launcher.control.planning import NodeTarget, RankPlacement, StagePlan, place_ranks
 from launcher.errors import BackendError, LauncherError, PlanError
-from launcher.procutil import cmdline, descendants, kill_now, pid_alive, process_start_ticks, read_json, wait_gone, write_json_atomic
-from launcher.protocol import ENV_RAY_CONNECT, RankProgress, RankReport
+from launcher.procutil import cmdline, descendants, kill_now, pid_alive, process_start_ticks, wait_gone
+from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, RankProgress, RankReport
 from launcher.records import RankExit
 from launcher.runtime.devices import GpuInfo, NodeInventory
 from launcher.runtime.ray_actor import RankActor
+from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
+from launcher.stage.events import RankBeacon, RankExited, RankReported, RanksLost
+from launcher.stage.logrouting import LogRouter
+from launcher.stage.plan import NodeTarget, RankPlacement, StagePlan, place_ranks
 
 CONNECT_ENV = ENV_RAY_CONNECT  # set by launcher.backends.ray_jobs: connect to the cluster, never embed
 # what torchrun gives a script besides the rank layout; a Ray rank gets the same
@@ -195,21 +199,17 @@ def ray_session(job: Any) -> Iterator[None]:
 # --- the backend -------------------------------------------------------------------------------------
 
 
-class RayBackend(Backend):
+class RayEngine(StageEngine):
     name = "ray"
 
-    @classmethod
-    @contextlib.contextmanager
-    def session(cls, job: Any) -> Iterator[None]:
-        with ray_session(job):
-            yield
+    def session(self, job: Any) -> Any:
+        return ray_session(job)
 
-    @classmethod
-    def schedules_onto_cluster(cls) -> bool:
+    @property
+    def plans_on_own_cluster(self) -> bool:
         return bool(os.environ.get(CONNECT_ENV))  # inside a Ray job: the cluster, not this node
 
-    @classmethod
-    def check_job(cls, job: Any, cluster: str | None) -> None:
+    def check_job(self, job: Any, cluster: str | None) -> None:
         if cluster or job.spec.cluster:
             where = "--cluster" if cluster else f"{job.path}: cluster"
             raise PlanError(
@@ -218,40 +218,14 @@ class RayBackend(Backend):
             )
         check_single_pool(job)
 
-    @classmethod
-    def pool_nodes(cls, job: Any) -> list[NodeTarget]:
+    def pool_nodes(self, job: Any) -> list[NodeTarget]:
         """The whole Ray cluster as one pool to plan on: its alive nodes' CPUs and GPUs summed.
         Where each rank lands is the placement group's choice (``ray.placement``); each rank's
-        threads are set per node once it is placed (``_rank_threads``). ``check_job`` has already
-        refused ``resources.nodes`` > 1."""
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        cpus = sum(int(n.get("Resources", {}).get("CPU", 0)) for n in alive)
-        gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in alive)
-        inventory = NodeInventory(
-            hostname=f"ray cluster ({len(alive)} nodes)",
-            cpu_count=max(1, cpus),
-            gpus=tuple(GpuInfo(i, i, "GPU (Ray resource)", 0, None, None, f"ray-gpu-{i}") for i in range(gpus)),
-            source="ray",
-        )
-        return [NodeTarget(name="ray", address=ray.util.get_node_ip_address(), inventory=inventory, python=sys.executable)]
+        threads are set per node once it is placed. ``check_job`` has already refused
+        ``resources.nodes`` > 1."""
+        return [pool_node(ray.nodes(), ray.util.get_node_ip_address())]
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pg: Any = None
-        self._actors: list[Any] = []
-        self._probes: dict[int, dict[str, Any]] = {}
-        self._probe_refs: dict[Any, int] = {}
-        self._runs: dict[Any, int] = {}
-        self._drains: dict[Any, int] = {}
-        self._reports: dict[int, RankReport] = {}
-        self._died: dict[int, str] = {}
-        self._died_at: dict[int, float] = {}
-        self._state = "new"
-        self._deadline = 0.0
-        self._failure = ""
-
-    @staticmethod
-    def launch_request(plan: StagePlan) -> LaunchRequest:
+    def launch_request(self, plan: StagePlan) -> LaunchRequest:
         """What ``--dry-run`` prints: the gang Ray is asked to reserve and the actors it will run."""
         bundle = _bundle(plan.device_type)
         return LaunchRequest(
@@ -263,9 +237,46 @@ class RayBackend(Backend):
             ("local ranks, threads and the rendezvous follow the nodes the placement group chooses",),
         )
 
+    def start(self, plan: StagePlan, logs: LogRouter) -> StageHandle:
+        stage = RayStage(plan, logs)
+        stage.start()
+        return stage
+
+
+def pool_node(nodes: list[dict[str, Any]], address: str) -> NodeTarget:
+    """A Ray cluster's alive nodes (``ray.nodes()``, or the dashboard's list) as one node to plan on."""
+    alive = [n for n in nodes if n.get("Alive")]
+    cpus = sum(int(n.get("Resources", {}).get("CPU", 0)) for n in alive)
+    gpus = sum(int(n.get("Resources", {}).get("GPU", 0)) for n in alive)
+    inventory = NodeInventory(
+        hostname=f"ray cluster ({len(alive)} nodes)",
+        cpu_count=max(1, cpus),
+        gpus=tuple(GpuInfo(i, i, "GPU (Ray resource)", 0, None, None, f"ray-gpu-{i}") for i in range(gpus)),
+        source="ray",
+    )
+    return NodeTarget(name="ray", address=address, inventory=inventory, python=sys.executable)
+
+
+class RayStage(StageHandle):
+    """One stage's actors: scheduling (the gang), then running, then stopped."""
+
+    def __init__(self, plan: StagePlan, logs: LogRouter) -> None:
+        super().__init__(plan, logs)
+        self._pg: Any = None
+        self._actors: list[Any] = []
+        self._probes: dict[int, dict[str, Any]] = {}
+        self._probe_refs: dict[Any, int] = {}
+        self._runs: dict[Any, int] = {}
+        self._drains: dict[Any, int] = {}
+        self._reports: dict[int, RankReport] = {}
+        self._died: dict[int, str] = {}
+        self._state = "new"
+        self._deadline = 0.0
+        self._failure = ""
+
     def start(self) -> None:
         if not ray.is_initialized():
-            raise BackendError("the Ray backend runs inside RayBackend.session (use launcher.run_job)")
+            raise BackendError("the Ray engine runs inside its session (use launcher.run_job)")
         self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
         bundle = _bundle(self.plan.device_type)
         strategy = self.plan.placement.upper()
@@ -293,18 +304,18 @@ class RayBackend(Backend):
         self._state = "scheduling"
 
     # poll ---------------------------------------------------------------------------------------
-    def poll(self) -> BackendStatus:
+    def poll(self) -> HandleStatus:
         if self._state == "scheduling":
             self._poll_scheduling()
         if self._state == "running":
             self._pump_logs()
             self._poll_runs()
         if self._state == "failed":
-            return BackendStatus(done=True, ok=False, rank_exits=self._rank_exits(), detail=self._failure)
+            return HandleStatus(done=True, ok=False, detail=self._failure)
         if self._state == "running" and len(self._reports) == len(self.plan.ranks):
             ok = all(r.ok for r in self._reports.values())
-            return BackendStatus(done=True, ok=ok, detail="" if ok else "a rank reported a failure")
-        return BackendStatus(done=False)
+            return HandleStatus(done=True, ok=ok, detail="" if ok else "a rank reported a failure")
+        return HandleStatus(done=False)
 
     def _poll_scheduling(self) -> None:
         for rank, ref in _take_ready(self._probe_refs):
@@ -335,7 +346,7 @@ class RayBackend(Backend):
         """Every rank is placed: plan the layout the placement group chose, then run the ranks."""
         node_cpus = _node_cpus()
         placements = [self._placement(rank, probe, node_cpus) for rank, probe in sorted(self._probes.items())]
-        placed = place_ranks(self.plan, placements)
+        placed = self.plan = place_ranks(self.plan, placements)  # the run loop reads hosts and devices from here
         local_node = ray.get_runtime_context().get_node_id()
         for slot, actor in zip(placed.ranks, self._actors):
             env = {**placed.rank_env(slot), **TORCHRUN_SCRIPT_ENV}
@@ -366,34 +377,46 @@ class RayBackend(Backend):
             try:
                 self._reports[rank] = RankReport.from_dict(ray.get(ref))
             except RayActorError as exc:
-                self._died[rank], self._died_at[rank] = str(exc), time.time()
+                self._died_of(rank, str(exc))
                 self._fail(f"actor {self.plan.job}-rank{rank} died: {_first_line(exc)}")
             except RayTaskError as exc:  # run_rank never raises for job errors: a launcher bug
-                self._died[rank] = str(exc)
+                self._died_of(rank, str(exc))
                 self._fail(f"actor {self.plan.job}-rank{rank} raised: {_first_line(exc)}")
+            else:
+                self.emit(RankReported(self._reports[rank]))
         if any(not r.ok for r in self._reports.values()) and self._state != "failed":
             self._state = "failed"
             bad = sorted(k for k, r in self._reports.items() if not r.ok)
             self._failure = f"rank(s) {bad} failed"
 
+    def _died_of(self, rank: int, detail: str) -> None:
+        """A rank whose actor died without a Python exception; its peers then fail on closed
+        connections. Dated by its last sign of life (its beacon) so the root cause is this rank."""
+        self._died[rank] = detail
+        host = self._host(rank)
+        self.emit(RankExited(RankExit(rank=rank, exitcode=None, host=host)),
+                  RanksLost((rank,), host, ACTOR_DIED, _first_line(detail), traceback=detail))  # fmt: skip
+
+    def _host(self, rank: int) -> str:
+        return self.plan.ranks[rank].host
+
     def _pump_logs(self, final: bool = False) -> None:
         for rank, ref in _take_ready(self._drains, timeout_s=2.0 if final else 0):
             try:
-                lines = ray.get(ref)
+                drained = ray.get(ref)
             except RayError:
                 continue  # the actor is gone; its last lines are in Ray's log files
-            host = self._probes.get(rank, {}).get("hostname") or self.plan.ranks[rank].host
-            for line in lines:
+            host = self._host(rank)
+            for line in drained["lines"]:
                 self.logs.write_rank_line(rank, host, line)
+            if drained.get("beacon"):
+                self.emit(RankBeacon(rank, RankProgress.from_dict(drained["beacon"]), host=host))
             if not final:
                 self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
 
     def _fail(self, message: str) -> None:
         if self._state != "failed":
             self._state, self._failure = "failed", message
-
-    def _rank_exits(self) -> tuple[RankExit, ...]:
-        return tuple(RankExit(rank=k, exitcode=None, host=self._probes.get(k, {}).get("hostname")) for k in sorted(self._died))
 
     # stop / collect -------------------------------------------------------------------------------
     def stop(self, grace_s: float = 5.0) -> None:
@@ -428,33 +451,12 @@ class RayBackend(Backend):
             if names:
                 time.sleep(0.05)
 
-    def collect(self) -> None:
-        for r in self.plan.ranks:
-            path = self.plan.paths.report(r.rank)
-            if path.exists():
-                continue
-            if r.rank in self._reports:
-                write_json_atomic(path, self._reports[r.rank].to_dict())
-            elif r.rank in self._died:
-                write_json_atomic(path, self._died_report(r).to_dict())
-
-    def _died_report(self, r: Any) -> RankReport:
-        """A rank whose actor died without a Python exception; its peers then fail on closed
-        connections. Dated by its last sign of life (its beacon) so the root cause is this rank."""
-        detail = self._died[r.rank]
-        beacon = RankProgress.from_dict(read_json(self.plan.paths.progress(r.rank)))
-        return RankReport.failed(
-            rank=r.rank,
-            local_rank=r.local_rank,
-            node_rank=r.node_rank,
-            world_size=self.plan.world_size,
-            host=self._probes.get(r.rank, {}).get("hostname", r.host),
-            device=r.device,
-            error_type="ActorDied",
-            message=_first_line(detail),
-            traceback_text=detail,
-            at=beacon.t if beacon.t is not None else self._died_at.get(r.rank, time.time()),
-        )
+    def signal_ranks(self, signum: int) -> None:
+        """``signum`` to every rank's actor, wherever in the cluster it runs (SIGUSR1: its stacks
+        into its output, which the drain brings here)."""
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                actor.signal.remote(int(signum))
 
 
 def _node_cpus() -> dict[str, float]:
@@ -497,4 +499,4 @@ def _bundle(device_type: str) -> dict[str, float]:
     return {"CPU": 1.0, "GPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
 
 
-__all__ = ["RayBackend", "ray_session", "check_dashboard_exposure"]
+__all__ = ["RayEngine", "ray_session", "check_dashboard_exposure"]

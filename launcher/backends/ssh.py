@@ -2,12 +2,13 @@
 
 One connection per host per run. The preflight logs in to every host once, in parallel, as an
 SSH ControlMaster whose own session is the host's helper (``python -m launcher.runtime.hostagent
-serve``): the preflight, the rendezvous port, each stage's directory and ``worker.json``, and the
-rank reports at the end are requests to that helper, one JSON line each way, with no new login
-and no new interpreter. Each stage's agent runs in a session multiplexed over the same connection
-(``ssh -S SOCKET``), its stdin the agent's lifeline (see ``launcher.runtime.hostagent``). The
-control sockets live in a private directory (0700) that is removed, with every master process,
-when the run ends (``connection_scope``).
+serve``): the preflight, the rendezvous port, each stage's directory and ``worker.json``, a signal
+to the stage's ranks, and the files left on the host at the end are requests to that helper, one
+JSON line each way, with no new login and no new interpreter. Each stage's agent runs in a session
+multiplexed over the same connection (``ssh -S SOCKET``), its stdin the agent's lifeline (see
+``launcher.runtime.hostagent``) and its output the stage's live channel: rank lines, and the
+beacons and reports the agent forwards. The control sockets live in a private directory (0700)
+that is removed, with every master process, when the run ends (``connection_scope``).
 
 The helper writes a heartbeat line every second and the launcher pings the helper and every
 agent's lifeline every second. A host whose connection closes, or that says nothing for
@@ -41,18 +42,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from launcher.backends.transports import Transport
-from launcher.control.diagnosis import HOST_LOST
-from launcher.control.planning import NodeTarget
 from launcher.errors import EXIT_JOB_FAILED, BackendError, LauncherError
-from launcher.procutil import pid_alive, read_json, write_json_atomic
-from launcher.protocol import HOST_ANSWER_TAG, RankError, RankReport, RankStatus
+from launcher.procutil import pid_alive
+from launcher.protocol import HOST_ANSWER_TAG, RankProgress, RankReport
 from launcher.runtime.devices import NodeInventory
 from launcher.runtime.hostagent import BEAT_LINE, BEAT_S, REMOTE_GRACE_S, SILENCE_S
+from launcher.stage.events import RankBeacon, RankReported, StageEvent
+from launcher.stage.plan import NodeTarget
 
 if TYPE_CHECKING:
-    from launcher.control.logrouting import LogRouter
-    from launcher.control.planning import NodeSlot, StagePlan
     from launcher.spec.cluster import ClusterConfig, HostConfig
+    from launcher.stage.logrouting import LogRouter
+    from launcher.stage.plan import NodeSlot, StagePlan
 
 HOST_MODULE = "launcher.runtime.hostagent"
 SERVER_ALIVE_INTERVAL_S = 5
@@ -531,11 +532,23 @@ class SshTransport(Transport):
             except subprocess.TimeoutExpired:
                 pass  # the caller's SIGTERM/SIGKILL path takes over
 
-    def collect(self, plan: StagePlan, nodes: Sequence[NodeSlot], logs: LogRouter, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        """Copy each remote host's rank reports and progress files into the local stage
-        directory; for a lost host, write what is known instead: its ranks were lost with it."""
+    def signal(self, plan: StagePlan, nodes: Sequence[NodeSlot], signum: int) -> None:
+        """``signum`` to every live rank of these hosts: one request to each host's helper, in parallel."""
         links = current_links()
-        _parallel(lambda node: _fetch(plan, node, links.get(_host(node)), logs, timeout_s), nodes)
+
+        def send(node: NodeSlot) -> None:
+            with contextlib.suppress(SshError):
+                links.get(_host(node)).call("signal", timeout_s=10.0, stage=str(plan.stage_dir), signum=int(signum))
+
+        _parallel(send, nodes)
+
+    def collect(self, plan: StagePlan, nodes: Sequence[NodeSlot], logs: LogRouter, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        """Any report the live channel missed (its stream cut short), fetched from its host and
+        delivered as an event: one request per host that has such a rank, none when every report
+        came. A lost host is not asked: its ranks were lost with it."""
+        links = current_links()
+        missing = {n.node_rank: [r.rank for r in plan.ranks if r.node_rank == n.node_rank and r.rank not in logs.reported] for n in nodes}
+        _parallel(lambda node: _fetch(plan, node, missing[node.node_rank], links.get(_host(node)), logs, timeout_s), [n for n in nodes if missing[n.node_rank]])
 
 
 def _host(node: NodeSlot) -> HostConfig:
@@ -543,49 +556,26 @@ def _host(node: NodeSlot) -> HostConfig:
     return node.target.ssh
 
 
-def _fetch(plan: StagePlan, node: NodeSlot, link: HostLink, logs: LogRouter, timeout_s: float) -> None:
-    ranks = [r.rank for r in plan.ranks if r.node_rank == node.node_rank]
-    if link.lost() is None:
+def _fetch(plan: StagePlan, node: NodeSlot, ranks: list[int], link: HostLink, logs: LogRouter, timeout_s: float) -> None:
+    if link.lost() is not None:
+        return
+    try:
+        data = link.call("fetch", timeout_s=timeout_s, stage=str(plan.stage_dir), ranks=ranks)
+    except SshError as exc:
+        if link.lost() is None:
+            logs.route(f"gpulaunch: could not fetch rank reports from {node.host}: {exc}", node.host)
+        return
+    events: list[StageEvent] = []
+    for rel, text in data.get("files", {}).items():
         try:
-            data = link.call("fetch", timeout_s=timeout_s, stage=str(plan.stage_dir), ranks=ranks)
-        except SshError as exc:
-            if link.lost() is None:
-                logs.route(f"gpulaunch: could not fetch rank reports from {node.host}: {exc}", node.host)
-                return
+            content = json.loads(text)
+        except ValueError:
+            continue
+        if Path(rel).parent.name == plan.paths.progress_dir.name:
+            events.append(RankBeacon(int(Path(rel).stem[len("rank") :]), RankProgress.from_dict(content)))
         else:
-            _write_files(plan, data.get("files", {}))
-            return
-    _write_lost(plan, node, link)
-
-
-def _write_files(plan: StagePlan, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        target = plan.stage_dir / rel
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            continue
-        try:
-            if target.exists() and target.read_text() == text:
-                continue  # a shared filesystem: the host wrote it here already
-            write_json_atomic(target, json.loads(text))
-        except (OSError, ValueError):
-            continue
-
-
-def _write_lost(plan: StagePlan, node: NodeSlot, link: HostLink) -> None:
-    """Each rank of a lost host: failed, ``HostLost``, unless it finished first (a shared filesystem)."""
-    why = f"lost host {node.host} ({link.lost_reason})"
-    for slot in plan.ranks:
-        if slot.node_rank != node.node_rank:
-            continue
-        path = plan.paths.report(slot.rank)
-        known = read_json(path)
-        if isinstance(known, dict) and known.get("status") in ("ok", "failed"):
-            continue
-        report = RankReport(
-            rank=slot.rank, local_rank=slot.local_rank, node_rank=slot.node_rank, world_size=plan.world_size, host=slot.host,
-            device=slot.device, status=RankStatus.FAILED, error=RankError(HOST_LOST, why, "", link.lost_at or time.time()),
-        )  # no traceback: the last lines the launcher got from the rank are in its log
-        write_json_atomic(path, report.to_dict())
+            events.append(RankReported(RankReport.from_dict(content)))  # the run loop writes it here
+    logs.emit(*events)
 
 
 # --------------------------------------------------------------------------------------- preflight
@@ -714,8 +704,3 @@ def remote_free_port(target: NodeTarget) -> int:
     if data.get("bind_error"):
         raise PreflightError([f"{target.name}: cannot pick a rendezvous port on {target.address}: {data['bind_error']}"])
     return int(data["port"])
-
-
-def ssh_command_preview(host: HostConfig) -> str:
-    """How to log in by hand the way the launcher does (for error messages and docs)."""
-    return shlex.join(ssh_base_argv(host))

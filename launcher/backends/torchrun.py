@@ -1,25 +1,29 @@
-"""The torchrun backend: one PyTorch elastic agent (torch.distributed.run) per node.
+"""The torchrun engine: one PyTorch elastic agent (torch.distributed.run) per node.
 
 The plan says what each node runs; this module turns it into torchrun's own terms (the agent's
 argv, its log-line prefix) and starts each node's agent through that node's transport: a child
 process here, or the OpenSSH client for another host (``launcher.backends.ssh``). Either way the
-agent's merged output comes back through a pipe to the LogRouter, and stopping it is: the
-transport's stop (an SSH lifeline cut), SIGTERM to the agent (which stops its workers), SIGKILL
-after a grace period, then SIGKILL to any worker still alive, by pid.
+agent's merged output comes back through a pipe to the LogRouter: the ranks' lines, and the
+ranks' beacons and reports that the agent forwards (the stage's live event stream). Stopping it
+is: the transport's stop (an SSH lifeline cut), SIGTERM to the agent (which stops its workers),
+SIGKILL after a grace period, then SIGKILL to any worker still alive here, by pid.
 """
 
 from __future__ import annotations
 
 import functools
 import subprocess
+import time
+from typing import Callable
 
-from launcher.backends.base import Backend, BackendStatus, LaunchRequest
 from launcher.backends.transports import LOCAL, Transport
-from launcher.control.planning import NodeSlot, NodeTarget, StagePlan
 from launcher.errors import BackendError
 from launcher.procutil import kill_now, stage_worker_pids, stop_groups
-from launcher.protocol import LOG_PREFIX_SEPARATOR, PORT_IN_USE_EXIT
-from launcher.records import RankExit
+from launcher.protocol import HOST_LOST, LOG_PREFIX_SEPARATOR, PORT_IN_USE_EXIT
+from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
+from launcher.stage.events import RanksLost
+from launcher.stage.logrouting import LogRouter
+from launcher.stage.plan import NodeSlot, NodeTarget, StagePlan
 
 # How long a failed agent's pipe may stay silent before its remaining output is given up on
 # (a stray child can hold the pipe open)
@@ -72,28 +76,39 @@ def transport_for(target: NodeTarget) -> Transport:
     return LOCAL if target.ssh is None else _ssh()
 
 
-class TorchrunBackend(Backend):
+class TorchrunEngine(StageEngine):
     name = "torchrun"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._agents: list[tuple[NodeSlot, Transport, subprocess.Popen]] = []
-
-    @staticmethod
-    def launch_request(plan: StagePlan) -> LaunchRequest:
+    def launch_request(self, plan: StagePlan) -> LaunchRequest:
         """Per node: the exact command (plain ``torchrun`` form; over SSH, the ssh command)."""
-        commands = tuple(
-            f"[{node.host}] $ {transport_for(node.target).describe(node, plan, agent_argv(plan, node))}" for node in plan.nodes
-        )
+        commands = tuple(f"[{node.host}] $ {self.transport(node).describe(node, plan, agent_argv(plan, node))}" for node in plan.nodes)
         notes = [f"each node runs its command via `python -m {AGENT_MODULE}`: torchrun with a parent-death signal"]
         if plan.start_method == "forkserver":
             notes.append("--start-method=forkserver: ranks are forked from a server that has imported torch once per node")
-        return LaunchRequest("torchrun", commands, tuple(notes))
+        return LaunchRequest(self.name, commands, tuple(notes))
+
+    def transport(self, node: NodeSlot) -> Transport:
+        return transport_for(node.target)
+
+    def start(self, plan: StagePlan, logs: LogRouter) -> StageHandle:
+        stage = TorchrunStage(plan, logs, self.transport)
+        stage.start()
+        return stage
+
+
+class TorchrunStage(StageHandle):
+    """One stage's agents, one per node, each through its node's transport."""
+
+    def __init__(self, plan: StagePlan, logs: LogRouter, transport: Callable[[NodeSlot], Transport]) -> None:
+        super().__init__(plan, logs)
+        self._transport = transport
+        self._agents: list[tuple[NodeSlot, Transport, subprocess.Popen]] = []
+        self._lost: dict[str, str] = {}  # host -> why, once its loss was emitted
 
     def _transports(self) -> dict[Transport, list[NodeSlot]]:
         groups: dict[Transport, list[NodeSlot]] = {}
         for node in self.plan.nodes:
-            groups.setdefault(transport_for(node.target), []).append(node)
+            groups.setdefault(self._transport(node), []).append(node)
         return groups
 
     def start(self) -> None:
@@ -112,28 +127,36 @@ class TorchrunBackend(Backend):
                 self.logs.follow(proc.stdout, node.host)
                 self._agents.append((node, transport, proc))
 
-    def poll(self) -> BackendStatus:
+    def poll(self) -> HandleStatus:
         lost = [(node, why) for node, transport, proc in self._agents if proc.poll() != 0 and (why := transport.lost(proc))]
         if lost:  # a host is gone (its agent's exit code, ssh's own 255 or none yet, says no more)
-            detail = "; ".join(f"lost host {node.host} ({why})" for node, why in lost)
-            return BackendStatus(done=True, ok=False, rank_exits=self._rank_exits(), detail=detail)
+            for node, why in lost:
+                self._host_lost(node, why)
+            return HandleStatus(done=True, ok=False, detail="; ".join(f"lost host {node.host} ({why})" for node, why in lost))
         codes = [(node, proc.poll()) for node, _, proc in self._agents]
         failed = [(node, code) for node, code in codes if code not in (None, 0)]
         if failed:
             # One failed agent ends the job: the run loop stops the rest at once. Its failure
-            # records are its last lines; route them before reading which ranks failed.
+            # records and its ranks' reports are its last lines: route them before saying so.
             for node, _ in failed:
                 self.logs.drain(node.host, idle_s=AGENT_DRAIN_IDLE_S)
-            return BackendStatus(
-                done=True,
-                ok=False,
-                rank_exits=self._rank_exits(),
-                detail=self._detail(failed),
-                rendezvous_port_in_use=any(code == PORT_IN_USE_EXIT for _, code in failed),
+            return HandleStatus(
+                done=True, ok=False, detail=self._detail(failed), rendezvous_port_in_use=any(code == PORT_IN_USE_EXIT for _, code in failed)
             )
         if any(code is None for _, code in codes):
-            return BackendStatus(done=False)
-        return BackendStatus(done=True, ok=True)
+            return HandleStatus(done=False)
+        for node, _, _ in self._agents:  # every agent ended well: their last forwarded reports first
+            self.logs.drain(node.host, idle_s=AGENT_DRAIN_IDLE_S)
+        return HandleStatus(done=True, ok=True)
+
+    def _host_lost(self, node: NodeSlot, why: str) -> None:
+        """The host's ranks were lost with it: said once, stamped when the loss was seen."""
+        if node.host in self._lost:
+            return
+        self._lost[node.host] = why
+        ranks = tuple(r.rank for r in self.plan.ranks if r.node_rank == node.node_rank)
+        # no traceback: the last lines the launcher got from the ranks are in their logs
+        self.emit(RanksLost(ranks, node.host, HOST_LOST, f"lost host {node.host} ({why})", at=time.time()))
 
     def _detail(self, failed: list[tuple[NodeSlot, int]]) -> str:
         return "; ".join(
@@ -141,19 +164,6 @@ class TorchrunBackend(Backend):
             if code == PORT_IN_USE_EXIT
             else f"agent on {node.host} exited with {code}"
             for node, code in failed
-        )
-
-    def _rank_exits(self) -> tuple[RankExit, ...]:
-        return tuple(
-            RankExit(
-                rank=int(rec["rank"]),
-                exitcode=rec.get("exitcode"),
-                signal=rec.get("signal"),
-                oom_suspected=bool(rec.get("oom_suspected")),
-                host=rec.get("host"),
-            )
-            # the ranks that failed on their own first; those their agent stopped, after
-            for rec in sorted(self.logs.agent_failures, key=lambda r: bool(r.get("collateral")))
         )
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -166,10 +176,10 @@ class TorchrunBackend(Backend):
         # that outlived both is found by the pid and start time in its progress file.
         kill_now(list(stage_worker_pids(self.plan.stage_dir).values()))
 
+    def signal_ranks(self, signum: int) -> None:
+        for transport, nodes in self._transports().items():
+            transport.signal(self.plan, [n for n in nodes if n.host not in self._lost], signum)
+
     def collect(self) -> None:
         for transport, nodes in self._transports().items():
-            if transport.remote:
-                transport.collect(self.plan, nodes, self.logs)
-
-    def agent_pids(self) -> list[int]:
-        return [proc.pid for _, _, proc in self._agents]
+            transport.collect(self.plan, [n for n in nodes if n.host not in self._lost], self.logs)

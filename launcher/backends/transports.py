@@ -1,27 +1,32 @@
-"""How the torchrun backend reaches a node: this machine directly, or another over SSH.
+"""How the torchrun engine reaches a node: this machine directly, or another over SSH.
 
 A transport prepares a stage on its nodes, starts one agent process per node whose merged output
-comes back through a pipe, stops those agents, and brings rank reports back. The torchrun backend
-picks one per node (``torchrun.transport_for``) and otherwise never asks where a node is.
+(rank lines, and the agent's forwarded rank events: the stage's live channel) comes back through a
+pipe, stops those agents, signals their ranks, and brings back what the live channel could not
+(files left on a host, a report the stream missed). The torchrun engine picks one per node
+(``torchrun.transport_for``) and otherwise never asks where a node is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Sequence
 
-from launcher.protocol import ENV_PARENT_PID
+from launcher.procutil import read_json, stage_worker_pids
+from launcher.protocol import ENV_PARENT_PID, RankProgress, RankReport
+from launcher.stage.events import RankBeacon, RankReported, StageEvent
 
 if TYPE_CHECKING:
-    from launcher.control.logrouting import LogRouter
-    from launcher.control.planning import NodeSlot, StagePlan
+    from launcher.stage.logrouting import LogRouter
+    from launcher.stage.plan import NodeSlot, StagePlan
 
 
 class Transport(ABC):
-    remote = False  # whether the node's files live elsewhere (reports must be fetched)
+    remote = False  # whether the node's files live elsewhere (they must be fetched)
 
     @abstractmethod
     def describe(self, node: NodeSlot, plan: StagePlan, agent_argv: Sequence[str]) -> str:
@@ -36,15 +41,36 @@ class Transport(ABC):
         """Start the node's agent (stdout and stderr merged into one pipe); do not wait."""
 
     def stop(self, procs: Sequence[subprocess.Popen], grace_s: float) -> None:
-        """Ask these agents to end; the backend signals whatever is still running afterwards."""
+        """Ask these agents to end; the engine signals whatever is still running afterwards."""
 
     def lost(self, proc: subprocess.Popen) -> str | None:
         """Why the host of this agent is gone (``connection closed``, ``no answer for 5 s``), or
         None while it answers (or where, as on this machine, a host cannot be lost)."""
         return None
 
+    def signal(self, plan: StagePlan, nodes: Sequence[NodeSlot], signum: int) -> None:
+        """``signum`` to every live rank of these nodes: here, by the pids in their beacons."""
+        for pid in stage_worker_pids(plan.stage_dir).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
     def collect(self, plan: StagePlan, nodes: Sequence[NodeSlot], logs: LogRouter) -> None:
-        """Bring the nodes' rank reports and progress files into the local stage directory."""
+        """What the live channel may have missed (an agent killed before its last forward): the
+        nodes' beacons and reports, read where the ranks wrote them (this machine's disk)."""
+        logs.emit(*local_rank_events(plan, [r.rank for r in plan.ranks if r.node_rank in {n.node_rank for n in nodes}]))
+
+
+def local_rank_events(plan: StagePlan, ranks: Sequence[int]) -> list[StageEvent]:
+    """The beacons and reports of ``ranks`` as this machine's disk has them."""
+    events: list[StageEvent] = []
+    for rank in ranks:
+        beacon = read_json(plan.paths.progress(rank))
+        if isinstance(beacon, dict):
+            events.append(RankBeacon(rank, RankProgress.from_dict(beacon)))
+        report = read_json(plan.paths.report(rank))
+        if isinstance(report, dict):
+            events.append(RankReported(RankReport.from_dict(report)))
+    return events
 
 
 class LocalTransport(Transport):

@@ -1,9 +1,10 @@
 """``run_job``: the whole pipeline as one Python call; the CLI is a thin shell over it.
 
-spec -> nodes (discovery, a cluster file's preflight, or the backend's own pool) -> one plan per
-stage -> the backend under the run loop -> aggregate -> result.json, the job's summary and plots.
-A Ray address (the spec's ``ray.address`` or ``address=``) submits the same run to that cluster
-through the Ray Jobs API. Every path returns a ``RunResult``; a notebook gets the same as the CLI.
+spec -> nodes (discovery, a cluster file's preflight, or the engine's own pool) -> one plan per
+stage -> the engine's handle under the run loop -> aggregate -> result.json, the job's summary and
+plots. A run for a scheduler (a Ray cluster's ``--address``, a Slurm partition) goes to its
+submitter instead, which follows the run over the remote-run wire to the same ``RunResult``. Every
+path returns a ``RunResult``; a notebook gets the same as the CLI.
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
 
 import yaml
 
 from launcher import backends
-from launcher.backends.base import Backend, LaunchRequest
-from launcher.control.events import PlainEvents, RunEvents
-from launcher.control.planning import NodeTarget, StagePlan, check_node_split, device_notes, make_plans, plan_stage, stage_sizes
+from launcher.control.planning import check_node_split, device_notes, make_plans, plan_stage, stage_sizes
 from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.masking import mask_env
@@ -35,11 +34,16 @@ from launcher.results.series import default_summary
 from launcher.results.store import RunResult, write_result
 from launcher.runtime.devices import discover
 from launcher.spec.model import LoadedJob, load_job
+from launcher.stage.engine import LaunchRequest, StageEngine, Submission, Submitter
+from launcher.stage.plan import NodeTarget, StagePlan
+from launcher.stage.watch import PlainEvents, RunEvents, TeeEvents
+
+Runner = Union[StageEngine, Submitter]
 
 
 @dataclass(frozen=True)
 class DryRun:
-    """What a run would do: the plans and each backend's launch request. Nothing was spawned."""
+    """What a run would do: the plans and the launch request of each. Nothing was spawned."""
 
     job: LoadedJob
     plans: tuple[StagePlan, ...]
@@ -72,12 +76,21 @@ def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
     return preflight(load_cluster(path), job)
 
 
-def resolve_backend(job: LoadedJob, backend: str | None, cluster: str | None) -> tuple[str, type[Backend]]:
-    """The backend's name and class, once it has refused what it cannot run (nothing started)."""
-    name = backend or job.spec.backend.value
-    backend_cls = backends.get_backend(name)
-    backend_cls.check_job(job, cluster)
-    return name, backend_cls
+def ray_address(job: LoadedJob, backend: str | None, address: str | None) -> str | None:
+    """The Ray cluster to submit to: ``address=``, or the spec's ``ray.address`` on the Ray backend."""
+    if address:
+        return address
+    return job.spec.ray.address if (backend or job.spec.backend) == BackendName.RAY else None
+
+
+def resolve(job: LoadedJob, backend: str | None, cluster: str | None, address: str | None = None) -> Runner:
+    """What runs the job (an engine here, or a scheduler's submitter), once it has refused what
+    it cannot run (nothing started). ``--address`` means the Ray cluster there, whatever the spec's backend."""
+    submit_to = ray_address(job, backend, address)
+    name = backend or (BackendName.RAY.value if address else job.spec.backend.value)
+    runner = backends.choose(name, address=submit_to)
+    runner.check_job(job, cluster)
+    return runner
 
 
 def masked_spec(job: LoadedJob) -> dict[str, Any]:
@@ -99,20 +112,20 @@ def rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
 def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None = None) -> str:
     """What ``launch validate`` can check without contacting any host: the backend, the cluster
     file, and on this machine whether the plan fits. Returns what would run; raises as launch would."""
-    name, backend_cls = resolve_backend(job, backend, cluster)
-    if backend_cls.schedules_onto_cluster():
-        return f"{name}: planned on the cluster when it runs"
+    runner = resolve(job, backend, cluster)
+    if isinstance(runner, Submitter) or runner.plans_on_own_cluster:
+        return f"{runner.name}: planned on the cluster when it runs"
     path = cluster_path(job, cluster)
     if path is not None:
         from launcher.spec.cluster import load_cluster
 
         config = load_cluster(path)
         check_node_split(job)
-        return f"{name}: {len(config.hosts)} host(s) in {cluster or job.spec.cluster}, checked over SSH when it runs"
+        return f"{runner.name}: {len(config.hosts)} host(s) in {cluster or job.spec.cluster}, checked over SSH when it runs"
     nodes = resolve_nodes(job, None)
     device_type, sizes = stage_sizes(job, nodes)
     notes = "".join(f"; note: {n}" for n in device_notes(job, nodes, device_type))
-    return f"{name}: world sizes {sizes} on {device_type} here{notes}"
+    return f"{runner.name}: world sizes {sizes} on {device_type} here{notes}"
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
@@ -133,15 +146,22 @@ def _one_connection_per_host(fn: _Fn) -> _Fn:
 
 
 @_one_connection_per_host
-def dry_run(job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None) -> DryRun:
-    name, backend_cls = resolve_backend(job, backend, cluster)
-    if backend_cls.submits_run():  # a batch job: planned on what the scheduler will grant
-        plans, requests, notes = backend_cls.plan_submission(job, out=Path(out))
+def dry_run(
+    job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None, address: str | None = None
+) -> DryRun:
+    """The plans and what would be started for each (a scheduler's: what would be submitted,
+    planned on the nodes it would grant, or on placeholders it says it could not check)."""
+    runner = resolve(job, backend, cluster, address)
+    run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
+    if isinstance(runner, Submitter):
+        nodes = runner.target_nodes(job, dry_run=True)
+        plans = make_plans(job, nodes, run_dir=run_dir, master_port=0, backend=runner.name) if nodes else []
+        requests, notes = runner.dry_run(Submission(job, tuple(plans), Path(out), "<run-id>"))
+        notes = [*(device_notes(job, nodes, plans[0].device_type) if plans and nodes else []), *notes]
         return DryRun(job, tuple(plans), tuple(requests), tuple(notes))
     nodes = resolve_nodes(job, cluster)
-    run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
-    plans = make_plans(job, nodes, run_dir=run_dir, master_port=rendezvous_port(nodes), backend=name)
-    requests = tuple(backend_cls.launch_request(plan) for plan in plans)
+    plans = make_plans(job, nodes, run_dir=run_dir, master_port=rendezvous_port(nodes), backend=runner.name)
+    requests = tuple(runner.launch_request(plan) for plan in plans)
     notes = tuple(device_notes(job, nodes, plans[0].device_type)) if plans else ()
     return DryRun(job, tuple(plans), requests, notes)
 
@@ -163,13 +183,6 @@ def _stop_on_signals(stop: StopRequest) -> contextlib.AbstractContextManager[Non
     return handling_stop_signals(handler)
 
 
-def ray_address(job: LoadedJob, backend: str | None, address: str | None) -> str | None:
-    """The Ray cluster to submit to: ``address=``, or the spec's ``ray.address`` on the Ray backend."""
-    if address:
-        return address
-    return job.spec.ray.address if (backend or job.spec.backend) == BackendName.RAY else None
-
-
 @_one_connection_per_host
 def run_job(
     job: str | Path | LoadedJob,
@@ -187,35 +200,42 @@ def run_job(
 ) -> RunResult:
     """Run a job spec to its end and return its result (also written to ``result.json``).
     ``metrics=False`` serves no Prometheus endpoint whatever the spec's ``monitoring`` says.
-    A backend that submits the run (Slurm) returns once it ended, or, with ``detach``, once it is
-    submitted (status ``pending``, its ``job_id`` and ``run_dir`` in the result's data); inside
-    that job the launcher runs into the ``run_dir`` the submitting launcher made."""
+    A run for a scheduler (``address=``, a Ray cluster; the slurm backend) is submitted and
+    followed to its end, or, with ``detach`` (Slurm), returned once submitted (status ``pending``,
+    its ``job_id`` and ``run_dir`` in the result's data). ``run_dir``: the run directory to run
+    into (the launcher inside a scheduler's job gets the one its submitter chose)."""
     loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
     events = events or PlainEvents()
-    submit_to = ray_address(loaded, backend, address)
-    if submit_to:
-        from launcher.backends.ray_jobs import submit_and_wait
-
-        return submit_and_wait(loaded, address=submit_to, out=out, events=events)
-    name, backend_cls = resolve_backend(loaded, backend, cluster)
-    if backend_cls.submits_run():  # e.g. sbatch: the launcher runs again inside the job (run_dir=)
-        return backend_cls.submit_run(loaded, out=Path(out), events=events, stop=stop, detach=detach)
+    stop = StopRequest() if stop is None else stop  # an unset StopRequest is falsy
+    runner = resolve(loaded, backend, cluster, address)
+    if isinstance(runner, Submitter):
+        return _submit(loaded, runner, out=Path(out), events=events, stop=stop, metrics=metrics, detach=detach)
     if detach:
-        raise LauncherError(f"--detach: the {name} backend runs the job from here; only slurm submits it", exit_code=EXIT_BAD_INPUT)
+        raise LauncherError(f"--detach: the {runner.name} backend runs the job from here; only slurm submits it", exit_code=EXIT_BAD_INPUT)
     nodes: list[NodeTarget] | None = None
-    if not backend_cls.schedules_onto_cluster():
+    if not runner.plans_on_own_cluster:
         nodes = resolve_nodes(loaded, cluster)
         stage_sizes(loaded, nodes)  # impossible requests fail here, before anything is spawned
     run_id = Path(run_dir).name if run_dir else new_run_id()
-    run_dir = Path(run_dir) if run_dir else _make_run_dir(loaded, out, run_id)
-    stop = StopRequest() if stop is None else stop  # an unset StopRequest is falsy
+    run_dir = _make_run_dir(loaded, Path(run_dir) if run_dir else Path(out).resolve() / loaded.spec.name / run_id, out)
     started = time.time()
-    with _stop_on_signals(stop), _serving_metrics(loaded, run_id, name, events, metrics) as watched:
-        with backend_cls.session(loaded):
-            if nodes is None:  # a Ray cluster: plan on what it has, known once connected
-                nodes = backend_cls.pool_nodes(loaded)
-            outcomes, cut_short = _run_stages(loaded, name, backend_cls, nodes, run_dir, stop, watched)
-        return finish_run(loaded, name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short)
+    with _stop_on_signals(stop), _serving_metrics(loaded, run_id, runner.name, events, metrics) as watched:
+        with runner.session(loaded):
+            if nodes is None:  # a Ray cluster, a Slurm allocation: plan on what it has, known once connected
+                nodes = runner.pool_nodes(loaded)
+            outcomes, cut_short = _run_stages(loaded, runner, nodes, run_dir, stop, watched)
+        return finish_run(loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short)
+
+
+def _submit(loaded: LoadedJob, runner: Submitter, *, out: Path, events: RunEvents, stop: StopRequest, metrics: bool, detach: bool) -> RunResult:
+    """Plan on what the scheduler would grant (impossible requests fail here, before anything is
+    submitted), hand the run over, and follow it, serving /metrics here from what the wire brings."""
+    run_id = new_run_id()
+    nodes = runner.target_nodes(loaded)
+    plans = make_plans(loaded, nodes, run_dir=out.resolve() / loaded.spec.name / run_id, master_port=0, backend=runner.name) if nodes else []
+    submission = Submission(loaded, tuple(plans), out, run_id)
+    with _serving_metrics(loaded, run_id, runner.name, events, metrics and not detach) as watched:
+        return runner.submit(submission, events=watched, stop=stop, detach=detach)
 
 
 @contextlib.contextmanager
@@ -226,7 +246,7 @@ def _serving_metrics(loaded: LoadedJob, run_id: str, backend: str, events: RunEv
     if not (wanted and settings.enabled):
         yield events
         return
-    from launcher.control.monitoring import MetricsEvents, TeeEvents
+    from launcher.control.monitoring import MetricsEvents
 
     metrics = MetricsEvents(loaded.spec.name, run_id, backend, settings.samples_per_step)
     try:
@@ -240,8 +260,10 @@ def _serving_metrics(loaded: LoadedJob, run_id: str, backend: str, events: RunEv
         metrics.close()
 
 
-def _make_run_dir(loaded: LoadedJob, out: str | Path, run_id: str) -> Path:
-    run_dir = Path(out).resolve() / loaded.spec.name / run_id
+def _make_run_dir(loaded: LoadedJob, run_dir: Path, out: str | Path) -> Path:
+    """The run directory with the effective spec in it (one a submitter made already is kept)."""
+    if (run_dir / "spec.yaml").is_file():
+        return run_dir
     try:
         run_dir.mkdir(parents=True, exist_ok=False)
         (run_dir / "spec.yaml").write_text(yaml.safe_dump(masked_spec(loaded), sort_keys=False))
@@ -255,8 +277,7 @@ def _make_run_dir(loaded: LoadedJob, out: str | Path, run_id: str) -> Path:
 
 def _run_stages(
     loaded: LoadedJob,
-    name: str,
-    backend_cls: type[Backend],
+    engine: StageEngine,
     nodes: list[NodeTarget],
     run_dir: Path,
     stop: StopRequest,
@@ -271,9 +292,9 @@ def _run_stages(
     for size in sizes:
         if stop:
             return outcomes, Failure(FailureReason.INTERRUPTED, f"stopped by {stop.reason} before the stage of world size {size}")
-        events.stage_started(loaded.spec.name, size, device_type, name)
+        events.stage_started(loaded.spec.name, size, device_type, engine.name)
         try:
-            outcome = run_stage(_plan_factory(loaded, nodes, size, device_type, run_dir, name), backend_cls, stop=stop, events=events)
+            outcome = run_stage(_plan_factory(loaded, nodes, size, device_type, run_dir, engine.name), engine, stop=stop, events=events)
         except LauncherError as exc:  # the stage could not start (a host, a port, an agent)
             reason = FailureReason.INTERRUPTED if stop else FailureReason.NOT_STARTED
             return outcomes, Failure(reason, f"the stage of world size {size} could not start: {exc}")

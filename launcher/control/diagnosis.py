@@ -11,13 +11,10 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from launcher.protocol import RankReport, RankStatus, is_peer_loss
+from launcher.protocol import HOST_LOST, RankReport, RankStatus, is_peer_loss
 from launcher.records import Failure, FailureReason, RankExit, RootCause
 
 LOG_TAIL_LINES = 20
-# The error type of a rank whose host was lost (its connection closed, or it fell silent): the
-# launcher writes it for that host's ranks (``launcher.backends.ssh``); never a peer's loss.
-HOST_LOST = "HostLost"
 # a rank on the CPU whose code reached for CUDA or NCCL (a script written for a GPU box)
 CUDA_ON_CPU = re.compile(r"_cuda_setDevice|torch\.cuda|CUDA|NCCL|nccl|Torch not compiled with CUDA", re.IGNORECASE)
 CUDA_ON_CPU_HINT = (

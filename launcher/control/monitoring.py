@@ -1,7 +1,8 @@
 """The run's live metrics: an events observer that feeds the Prometheus endpoint.
 
-The run loop already reads every rank's beacon twice a second (``RunEvents.progress``); this
-observer turns each reading into a ``StageSample`` for ``/metrics``: steps, state, the stage's
+The run loop hands every watcher its stage's progress twice a second (``RunEvents.progress``),
+from every rank's latest beacon on every host; a submitted run's follower does the same with
+what the remote-run wire brings. This watcher turns each reading into a ``StageSample`` for ``/metrics``: steps, state, the stage's
 world size and restarts, and each rank's host time per step from successive readings. Host
 numbers only: nothing here reaches a rank or a device.
 """
@@ -10,11 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from launcher.control.events import RankLive, RunEvents, StageProgress
 from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample, default_sd_dir
+from launcher.stage.watch import RankLive, RunEvents, StageProgress
 
 if TYPE_CHECKING:
-    from launcher.control.planning import StagePlan
     from launcher.results.store import RunResult
 
 
@@ -36,7 +36,7 @@ class MetricsEvents(RunEvents):
     def close(self) -> None:
         self.endpoint.close()
 
-    def progress(self, plan: StagePlan, progress: StageProgress) -> None:
+    def progress(self, progress: StageProgress) -> None:
         ranks = tuple(self._sample(progress.world_size, r) for r in progress.ranks)
         self.endpoint.update(StageSample(self.job, self.run_id, self.backend, progress.world_size, progress.restarts, ranks, self.samples_per_step))
 
@@ -57,42 +57,3 @@ class MetricsEvents(RunEvents):
 
     def finished(self, result: RunResult) -> None:
         self.close()
-
-
-class TeeEvents(RunEvents):
-    """Every event to each of several watchers, in order (the console, then the metrics)."""
-
-    def __init__(self, *watchers: RunEvents) -> None:
-        self.watchers = watchers
-
-    def note(self, text: str) -> None:
-        for w in self.watchers:
-            w.note(text)
-
-    def message(self, text: str) -> None:
-        for w in self.watchers:
-            w.message(text)
-
-    def rank_output(self, source: str, text: str) -> None:
-        for w in self.watchers:
-            w.rank_output(source, text)
-
-    def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
-        for w in self.watchers:
-            w.stage_started(job, world_size, device_type, backend)
-
-    def progress(self, plan: StagePlan, progress: StageProgress) -> None:
-        for w in self.watchers:
-            w.progress(plan, progress)
-
-    def remote_progress(self, progress: StageProgress) -> None:
-        for w in self.watchers:
-            w.remote_progress(progress)
-
-    def stage_finished(self) -> None:
-        for w in self.watchers:
-            w.stage_finished()
-
-    def finished(self, result: RunResult) -> None:
-        for w in self.watchers:
-            w.finished(result)

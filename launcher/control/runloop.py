@@ -1,8 +1,9 @@
-"""The one run loop, shared by every backend, and the only place that decides a stage's fate.
+"""The one run loop, shared by every engine, and the only place that decides a stage's fate.
 
-start -> watch -> on the first failure, a timeout or a signal: stop everything -> collect
-reports -> explain the root cause. Restarts (``max_restarts``) and rendezvous-port retries happen
-here too, so every backend gets the same semantics.
+start -> watch the stage's event stream -> on the first failure, a timeout or a signal: stop
+everything -> collect -> explain the root cause. Restarts (``max_restarts``) and rendezvous-port
+retries happen here too, so every engine gets the same semantics. What the ranks do reaches it as
+typed events through the engine's handle (``launcher.stage.events``); it reads no rank's files.
 """
 
 from __future__ import annotations
@@ -15,18 +16,21 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from launcher.backends.base import Backend, BackendStatus
 from launcher.control.diagnosis import explain_failure
-from launcher.control.events import RankLive, RunEvents, StageProgress
-from launcher.control.logrouting import LogRouter
-from launcher.control.planning import StagePlan
+from launcher.control.stagestate import StageState
 from launcher.control.stragglers import StragglerWatch
-from launcher.masking import redact_document, scrub_files, secret_values
+from launcher.masking import scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
-from launcher.protocol import RankError, RankProgress, RankReport, RankStatus, is_peer_loss
+from launcher.protocol import RankProgress, RankReport, is_peer_loss
 from launcher.records import FailureReason, RunStatus, StageOutcome
+from launcher.stage.engine import HandleStatus, StageEngine, StageHandle
+from launcher.stage.logrouting import LogRouter
+from launcher.stage.plan import StagePlan
+from launcher.stage.watch import RunEvents
 
 POLL_S = 0.05
+# each turn of the watch lasts at least this long: events that arrive together are taken together
+MIN_TURN_S = 0.01
 PROGRESS_EVERY_S = 0.5
 # After the first rank's error report, how long the process layer may take to end by itself
 # (an agent notices its dead worker and reports its exit code or signal) before we stop it all.
@@ -62,7 +66,7 @@ def load_average() -> tuple[float, float, float]:
 
 def run_stage(
     make_plan: Callable[[int], StagePlan],
-    backend_cls: type[Backend],
+    engine: StageEngine,
     *,
     stop: StopRequest,
     events: RunEvents | None = None,
@@ -73,7 +77,7 @@ def run_stage(
     started, load_at_start = time.time(), load_average()
     while True:
         plan = make_plan(attempt)  # a freshly chosen rendezvous port every time
-        outcome = _run_attempt(plan, backend_cls, stop=stop, events=events, restarts=attempt)
+        outcome = _run_attempt(plan, engine, stop=stop, events=events, restarts=attempt)
         outcome.started_at, outcome.restarts = started, attempt
         if outcome.rendezvous_port_in_use and port_retries < PORT_RETRIES and not stop:
             port_retries += 1
@@ -101,27 +105,33 @@ class _Watch:
     """What one attempt's watch ended with."""
 
     fate: RunStatus
-    status: BackendStatus | None = None
+    status: HandleStatus | None = None
 
 
-def _run_attempt(plan: StagePlan, backend_cls: type[Backend], *, stop: StopRequest, events: RunEvents, restarts: int) -> StageOutcome:
+def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, events: RunEvents, restarts: int) -> StageOutcome:
     plan.paths.reports.mkdir(parents=True, exist_ok=True)
     plan.paths.worker_config.write_text(plan.worker.to_json())
     secrets = secret_values(plan.spec_env)
     logs = LogRouter(plan.paths.logs, events.rank_output, secrets=secrets)
-    backend = backend_cls(plan, logs)
     t0 = time.time()
-    stragglers = StragglerWatch(plan.ranks, plan.stragglers)
+    state = StageState(plan, t0, restarts)
+    stragglers = StragglerWatch(plan.stragglers)
+    handle: StageHandle | None = None
     try:
-        backend.start()
-        watch = _watch(plan, backend, stop=stop, events=events, t0=t0, restarts=restarts, stragglers=stragglers)
+        handle = engine.start(plan, logs)  # an engine that cannot start has stopped what it started
+        watch = _watch(handle, state, stop=stop, events=events, stragglers=stragglers)
     finally:
-        backend.stop()
-        backend.collect()
+        if handle is not None:
+            handle.stop()
+            handle.collect()
         logs.close()
-    status = watch.status if watch.status is not None and watch.status.done else backend.poll()
+    assert handle is not None
+    status = watch.status if watch.status is not None and watch.status.done else handle.poll()
+    state.plan = handle.plan
+    state.apply(handle.take_events())  # the last lines of every stream, what collect brought, how ranks ended
     scrub_files(plan.paths.torchelastic, secrets)  # torchrun's raw copies of the logs
-    reports = load_reports(plan, secrets)
+    _store_beacons(handle.plan, state)
+    reports = _store_reports(handle.plan, state.final_reports(secrets))
     fate = watch.fate
     if fate == RunStatus.SUCCEEDED and any(not r.ok for r in reports):
         fate = RunStatus.FAILED
@@ -129,24 +139,28 @@ def _run_attempt(plan: StagePlan, backend_cls: type[Backend], *, stop: StopReque
     if fate != RunStatus.SUCCEEDED:
         reason = {RunStatus.TIMEOUT: FailureReason.TIMEOUT, RunStatus.INTERRUPTED: FailureReason.INTERRUPTED}.get(fate, FailureReason.FAILED)
         outcome.failure = explain_failure(
-            reason, reports, status.rank_exits, detail=status.detail, run_timeout_s=plan.run_timeout_s, stop_reason=stop.reason
+            reason, reports, state.rank_exits(), detail=status.detail, run_timeout_s=plan.run_timeout_s, stop_reason=stop.reason
         )
         outcome.rendezvous_port_in_use = status.rendezvous_port_in_use
     return outcome
 
 
-def _watch(
-    plan: StagePlan, backend: Backend, *, stop: StopRequest, events: RunEvents, t0: float, restarts: int, stragglers: StragglerWatch
-) -> _Watch:
-    """Poll until the group ends, a rank fails, the run times out or a stop is asked for."""
+def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events: RunEvents, stragglers: StragglerWatch) -> _Watch:
+    """Follow the stage's events until the group ends, a rank fails, the run times out or a stop
+    is asked for."""
+    plan = handle.plan
     deadline = time.monotonic() + plan.run_timeout_s
     failed_at: float | None = None
     next_progress = 0.0
     while True:
-        status = backend.poll()
+        turn = time.monotonic()
+        state.plan = handle.plan  # an engine that placed its ranks has the placed plan now
+        state.apply(handle.take_events(POLL_S))
+        status = handle.poll()
+        state.apply(handle.take_events())  # what the poll routed (an agent's last lines)
         if status.done:
             return _Watch(RunStatus.SUCCEEDED if status.ok else RunStatus.FAILED, status)
-        errors = rank_errors(plan)
+        errors = state.errors()
         if any(not is_peer_loss(e) for e in errors):
             return _Watch(RunStatus.FAILED)  # fail fast: do not wait for the others' collective timeouts
         if errors and failed_at is None:
@@ -157,63 +171,38 @@ def _watch(
         if stop:
             return _Watch(RunStatus.INTERRUPTED)
         if time.monotonic() > deadline:
-            backend.signal_ranks(signal.SIGUSR1)  # every live rank dumps its stacks into its log
+            handle.signal_ranks(signal.SIGUSR1)  # every live rank, on every host, dumps its stacks into its log
             time.sleep(STACK_DUMP_WAIT_S)
             return _Watch(RunStatus.TIMEOUT)
         if time.monotonic() >= next_progress:
-            progress, changes = stragglers.update(stage_progress(plan, t0, restarts))
+            progress, changes = stragglers.update(state.progress(), handle.plan.ranks)
             for change in changes:
                 events.message(change.describe())
-            events.progress(plan, progress)
+            events.progress(progress)
             next_progress = time.monotonic() + PROGRESS_EVERY_S
-        time.sleep(POLL_S)
+        time.sleep(max(0.0, MIN_TURN_S - (time.monotonic() - turn)))
 
 
-def rank_errors(plan: StagePlan) -> list[RankError]:
-    """The errors of the ranks that have reported a failure so far."""
-    errors = []
-    for path in plan.paths.reports.glob("rank*.json"):
-        data = read_json(path)
-        if isinstance(data, dict) and data.get("status") == RankStatus.FAILED.value:
-            errors.append(RankError.from_dict(data.get("error") or {}))
-    return errors
+def _store_beacons(plan: StagePlan, state: StageState) -> None:
+    """Every rank's last beacon in the launching machine's stage directory, where the rank's own
+    file is not here already (another host's, a Ray actor's on another node): the run's record
+    of where each rank got to."""
+    for rank, beacon in state.beacons.items():
+        path = plan.paths.progress(rank)
+        known = RankProgress.from_dict(read_json(path))
+        if known.t is None or (beacon.t is not None and beacon.t > known.t):
+            write_json_atomic(path, beacon.to_dict())
 
 
-def stage_progress(plan: StagePlan, t0: float, restarts: int = 0) -> StageProgress:
-    ranks = []
-    phases: dict[str, int] = {}
-    for slot in plan.ranks:
-        beacon = RankProgress.from_dict(read_json(plan.paths.progress(slot.rank)))
-        phases[beacon.phase] = phases.get(beacon.phase, 0) + 1
-        ranks.append(RankLive(slot.rank, slot.host, beacon.phase, beacon.steps, beacon.t, beacon.work_s))
-    return StageProgress(plan.world_size, time.time() - t0, tuple(ranks), restarts, phases)
-
-
-def load_reports(plan: StagePlan, secrets: tuple[str, ...] = ()) -> list[RankReport]:
-    """Every rank's report (masked on disk too when its text holds a secret); a rank that wrote
-    none is ``stopped``, with the phase its beacon last showed."""
-    reports = []
-    for slot in plan.ranks:
-        path = plan.paths.report(slot.rank)
-        data = read_json(path)
-        if isinstance(data, dict):
-            masked = redact_document(data, secrets)
-            if masked is not data:
-                write_json_atomic(path, masked)
-            report = RankReport.from_dict(masked)
-        else:
-            beacon = RankProgress.from_dict(read_json(plan.paths.progress(slot.rank)))
-            report = RankReport(
-                rank=slot.rank,
-                local_rank=slot.local_rank,
-                node_rank=slot.node_rank,
-                world_size=plan.world_size,
-                host=slot.host,
-                device=slot.device,
-                status=RankStatus.STOPPED,
-                last_phase=beacon.phase,
-            )
-        log = plan.paths.log(slot.rank)
-        report.log = str(log) if log.exists() else None  # result.json names only files that exist
-        reports.append(report)
+def _store_reports(plan: StagePlan, reports: list[RankReport]) -> list[RankReport]:
+    """Every rank's report in the launching machine's stage directory (masked; a rank on this
+    machine wrote its own there already, rewritten only where masking changed it), and each
+    report's log where that file exists (result.json names only files that exist)."""
+    for report in reports:
+        path = plan.paths.report(report.rank)
+        data = report.to_dict()
+        if read_json(path) != data:
+            write_json_atomic(path, data)
+        log = plan.paths.log(report.rank)
+        report.log = str(log) if log.exists() else None
     return reports

@@ -1,10 +1,11 @@
-"""The entrypoint of a run submitted to a cluster: ``python -m launcher.control.submitted ray SPEC``,
-or inside a Slurm batch job ``python -m launcher.control.submitted slurm RUN_DIR``.
+"""The entrypoint of a run submitted to a cluster: ``python -m launcher.control.submitted ray SPEC
+RUN_ID`` inside a Ray job, or ``python -m launcher.control.submitted slurm RUN_DIR`` inside a Slurm
+batch job.
 
-The launcher submits itself (a Ray job through the Jobs API): on the cluster this module runs the
-same ``run_job`` with the backend connected to that cluster, the ranks' output going to the job's
-log (with the stages' progress as tagged lines, about once a second), and at the end sends the run
-directory back as a tagged bundle in the log's last lines.
+On the cluster this module runs the same ``run_job`` with the engine connected to that cluster,
+and every event of the run goes into the job's output over the remote-run wire
+(``launcher.stage.wire``: rank lines, and every rank's progress as tagged lines) for the launch
+that submitted it. A Ray job then sends its run directory back as a bundle in its log's last lines.
 """
 
 from __future__ import annotations
@@ -42,19 +43,23 @@ def _lacking(extra: Sequence[str]) -> int | None:
     return EXIT_BAD_INPUT
 
 
-def inside_ray(spec: str) -> int:
+def inside_ray(spec: str, run_id: str | None = None) -> int:
     """Run the launcher on this Ray cluster, then send the run directory back."""
     lacking = _lacking(("ray",))
     if lacking is not None:
         return lacking
-    from launcher.backends.ray_jobs import JobLogEvents, emit_bundle
+    from launcher.backends.ray_jobs.bundle import emit_bundle
     from launcher.control.api import run_job
+    from launcher.spec.model import load_job
+    from launcher.stage.wire import WireEvents
 
     out = CLUSTER_RUNS.expanduser()
     try:
-        # no endpoint of its own: on the cluster the rank actors export the metrics (the head's 127.0.0.1 is not the user's);
-        # the stages' start, progress and end go into the job's log as tagged lines, for the submitting side's console
-        result = run_job(spec, backend="ray", out=out, events=JobLogEvents(), metrics=False)
+        # no endpoint of its own: the submitting launch serves /metrics from the wire, and the rank
+        # actors export theirs to Ray's dashboard (the head's 127.0.0.1 is not the user's)
+        job = load_job(spec)
+        run_dir = out / job.spec.name / run_id if run_id else None
+        result = run_job(job, backend="ray", out=out, events=WireEvents(), metrics=False, run_dir=run_dir)
         code, run_dir = result.exit_code, result.run_dir
     except LauncherError as exc:
         for line in str(exc).splitlines() or ["failed"]:
@@ -74,14 +79,14 @@ def inside_slurm(run_dir: str) -> int:
     lacking = _lacking(())
     if lacking is not None:
         return lacking
-    from launcher.backends.slurm.events import SlurmJobEvents
-    from launcher.control.api import run_job
     from launcher.backends.slurm.script import SPEC_FILE
+    from launcher.control.api import run_job
     from launcher.spec.model import load_job
+    from launcher.stage.wire import WireEvents
 
     try:
         job = load_job(Path(run_dir) / SPEC_FILE)
-        return run_job(job, backend="slurm", run_dir=run_dir, events=SlurmJobEvents(), metrics=False).exit_code
+        return run_job(job, backend="slurm", run_dir=run_dir, events=WireEvents(), metrics=False).exit_code
     except LauncherError as exc:
         for line in str(exc).splitlines() or ["failed"]:
             print(f"error: {line}", file=sys.stderr, flush=True)
@@ -89,11 +94,11 @@ def inside_slurm(run_dir: str) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) == 2 and argv[0] == "ray":
-        return inside_ray(argv[1])
+    if len(argv) in (2, 3) and argv[0] == "ray":
+        return inside_ray(*argv[1:])
     if len(argv) == 2 and argv[0] == "slurm":
         return inside_slurm(argv[1])
-    print("usage: python -m launcher.control.submitted ray SPEC.yaml | slurm RUN_DIR", file=sys.stderr)
+    print("usage: python -m launcher.control.submitted ray SPEC.yaml [RUN_ID] | slurm RUN_DIR", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 

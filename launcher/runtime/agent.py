@@ -1,7 +1,9 @@
 """``python -m launcher.runtime.agent ARGS`` is ``torchrun ARGS``: PyTorch's own parser and elastic agent.
 
-Three additions: the agent dies with the launcher (a parent-death signal, so a SIGKILLed
-launcher leaves no agent and hence no worker behind); when workers fail it prints one
+Four additions: the agent dies with the launcher (a parent-death signal, so a SIGKILLed
+launcher leaves no agent and hence no worker behind); it forwards its node's ranks' beacons and
+reports on its own output as they change (``launcher.runtime.forwarder``: the stage's live
+channel, whatever carries that output to the launcher); when workers fail it prints one
 machine-readable line per failure (rank, exit code, signal, OOM) for the launcher's report; and
 with ``--start-method=forkserver`` and the ``-m launcher.runtime.worker WORKER_JSON`` entrypoint, it
 hands torchrun ``launcher.worker.forked_rank`` as a function entrypoint instead of a command, so
@@ -19,6 +21,7 @@ torch.distributed and the launcher's runtime already imported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,10 +29,12 @@ import sys
 import time
 import warnings
 from multiprocessing.context import ForkServerProcess
+from pathlib import Path
 from typing import Any
 
 from launcher.procutil import die_with_parent, fast_exit, oom_kill_count, set_process_name, signal_name
-from launcher.protocol import AGENT_FAILURE_TAG, ENV_AGENT_PID, ENV_PARENT_PID, PORT_IN_USE_EXIT
+from launcher.protocol import AGENT_FAILURE_TAG, ENV_AGENT_PID, ENV_PARENT_PID, ENV_STAGE_DIR, PORT_IN_USE_EXIT, StagePaths
+from launcher.runtime.forwarder import RankForwarder, node_ranks, print_line
 
 FORKED_ENTRYPOINT = ("-m", "launcher.runtime.worker")
 RANK_SERVER_NAME = "gpulaunch-ranks"  # the rank server's process name (it shares the agent's command line)
@@ -51,23 +56,40 @@ class _LossyStream:
         if not self._broken:
             try:
                 return self._stream.write(text)
-            except (OSError, ValueError):
+            except (BrokenPipeError, ValueError):  # the reader is gone, or the stream closed
                 self._broken = True
+            except OSError:
+                pass  # this line is lost; the next may go through
         return len(text)
 
     def flush(self) -> None:
         if not self._broken:
             try:
                 self._stream.flush()
-            except (OSError, ValueError):
+            except (BrokenPipeError, ValueError):
                 self._broken = True
+            except OSError:
+                pass
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Blocking writes: an srun step hands a remote task a non-blocking pipe, where a write that
+    # finds it full fails with EAGAIN; the agent's output (its ranks' lines, their forwarded
+    # beacons and reports) must wait for room instead of being lost.
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            os.set_blocking(fd, True)
     sys.stdout, sys.stderr = _LossyStream(sys.stdout), _LossyStream(sys.stderr)  # before torch binds them
+    # The launcher stops the agent with SIGTERM as soon as a rank has failed, possibly while
+    # torch's elastic logger is still formatting that failure (which imports torch._dynamo for
+    # seconds): the signal's exception then surfaces inside logging, whose "--- Logging error ---"
+    # and traceback would read as a second failure. Teardown is not news: logging stays silent.
+    import logging
+
+    logging.raiseExceptions = False
     parent = os.environ.get(ENV_PARENT_PID)
     die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     # Workers inherit this: it lets them check their own parent-death request against the race
@@ -79,10 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     if forked_config is not None:
         _start_rank_server()  # before torchrun (and CUDA): the server is this process's fork
 
-    from torch.distributed import DistNetworkError
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
     args = parse_args(argv)
@@ -91,6 +109,29 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.runtime.worker import forked_rank
 
         entrypoint, entry_args = forked_rank, [forked_config]
+    forwarder = _forwarder(int(args.node_rank), config.nproc_per_node)
+    try:
+        return _launch(config, entrypoint, entry_args, args, forked_config, oom_before)
+    finally:
+        if forwarder is not None:
+            forwarder.stop()  # the reports the ranks wrote on their way out go too
+
+
+def _forwarder(node_rank: int, nproc_per_node: int) -> RankForwarder | None:
+    """This node's ranks' beacons and reports, forwarded on the agent's output (started after the
+    rank server's fork: that server must start with no thread of ours)."""
+    stage = os.environ.get(ENV_STAGE_DIR)
+    if not stage:
+        return None  # run by hand, outside a stage: nobody reads the forwarded lines
+    return RankForwarder(StagePaths(Path(stage)), node_ranks(node_rank, nproc_per_node), print_line).start()
+
+
+def _launch(config: Any, entrypoint: Any, entry_args: list[Any], args: Any, forked_config: str | None, oom_before: int | None) -> int:
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:

@@ -6,7 +6,7 @@ every remote host, before and around the ranks, and never imports the control si
 - ``serve``: the host's helper for a whole run, on the one SSH connection the launcher opens to
   the host (the connection's first session; the agents' sessions share it, multiplexed). It
   answers requests (one JSON line each on stdin: ``preflight``, ``free-port``, ``prepare``,
-  ``fetch``) with one tagged JSON line each on stdout, and writes a heartbeat line every second,
+  ``fetch``, ``signal``) with one tagged JSON line each on stdout, and writes a heartbeat line every second,
   by which the launcher tells a live host from a lost one. It exits when the launcher closes its
   stdin, or says nothing (requests or pings) for ``--silence-s`` seconds.
 - ``agent``: the wrapper around one torchrun agent. It reads one JSON line on stdin (the node's
@@ -16,8 +16,10 @@ every remote host, before and around the ranks, and never imports the control si
   without a ping, means the launcher stopped the node, was killed, or lost the connection. Then
   (or on SIGTERM/SIGHUP) the wrapper stops the agent (SIGTERM, then SIGKILL after a grace
   period), kills any rank still alive by pid, writes a ``stopped`` report with the phases it saw
-  in the beacon of each rank that wrote none, and exits; the agent dies with the wrapper too (the
-  agent's parent-death signal). No pseudo-terminal (``-T``) is needed for any of this.
+  in the beacon of each rank that wrote none, forwards every rank's report on its output (the
+  stage's live channel: the agent that forwarded the rest is gone) and exits; the agent dies with
+  the wrapper too (the agent's parent-death signal). No pseudo-terminal (``-T``) is needed for
+  any of this. While the agent runs, the agent itself forwards its ranks' beacons and reports.
 - ``preflight`` / ``free-port`` / ``prepare`` / ``fetch``: the same requests as one command each
   (one JSON line out), for a look by hand over a plain ``ssh``.
 """
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher.protocol import ENV_PARENT_PID, HOST_ANSWER_TAG, RankReport, RankStatus, StagePaths
+from launcher.runtime.forwarder import RankForwarder, print_line
 
 REMOTE_GRACE_S = 5.0  # the wrapper's SIGTERM -> SIGKILL grace for the agent and its ranks
 BEAT_S = 1.0  # how often the helper says it is alive, and the launcher pings back
@@ -110,6 +113,21 @@ def do_prepare(stage: str, config: str) -> dict[str, Any]:
     return {"stage": stage}
 
 
+def do_signal(stage: str, signum: int) -> dict[str, Any]:
+    """``signum`` to every live rank of the stage on this host (found by its beacon's pid and start
+    time): SIGUSR1 makes each dump its stacks into its log."""
+    from launcher.procutil import stage_worker_pids
+
+    sent = []
+    for rank, pid in stage_worker_pids(stage).items():
+        try:
+            os.kill(pid, int(signum))
+            sent.append(rank)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return {"ranks": sorted(sent)}
+
+
 def do_fetch(stage: str, ranks: list[int]) -> dict[str, Any]:
     paths = StagePaths(Path(stage))
     files = {}
@@ -127,6 +145,7 @@ REQUESTS: dict[str, Callable[..., dict[str, Any]]] = {
     "free-port": do_free_port,
     "prepare": do_prepare,
     "fetch": do_fetch,
+    "signal": do_signal,
 }
 
 
@@ -360,10 +379,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         beacons.read()
         _teardown(proc, Path(args.stage), args.grace_s)
         beacons.write_stopped()
-        try:
-            print(f"gpulaunch: stopped the torchrun agent ({lifeline.reason})", flush=True)
-        except OSError:
-            pass
+        RankForwarder(beacons.paths, beacons.slots, print_line).sweep()  # the agent forwarded the rest, if it could
+        print_line(f"gpulaunch: stopped the torchrun agent ({lifeline.reason})")
         return 143
     code = proc.returncode
     return 128 - code if code < 0 else code

@@ -2,8 +2,10 @@
 
 The Ray counterpart of ``launcher.runtime.agent`` + ``launcher.runtime.worker`` under torchrun: the actor captures
 its own output for the launcher to stream, checks that Ray's ``CUDA_VISIBLE_DEVICES`` rewrite gave
-it the GPU it was granted, and then runs the shared per-rank runtime (``launcher.worker.run_rank``)
-with a step hook that exports step counters and times as Ray metrics for the dashboard.
+it the GPU it was granted, and then runs the shared per-rank runtime (``launcher.runtime.worker.run_rank``)
+with a step hook that exports step counters and times as Ray metrics for the dashboard. The
+launcher keeps one ``drain`` call in flight per actor: it returns the new output lines and the
+rank's latest beacon, so the launcher sees every rank live on whichever node it runs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import ray
 
 from launcher import metric_names as names
-from launcher.procutil import write_json_atomic
+from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, RankReport, WorkerConfig
 from launcher.runtime.devices import usable_cpu_count
 
@@ -125,7 +127,8 @@ class RankActor:
         self.job, self.rank = job, rank
         self.tee = _OutputTee()
         self.started = time.time()
-        # the launcher's stack dump on a hang (supervisor._dump_stacks), as in a torchrun rank
+        self.beacon_path: str | None = None  # this rank's beacon file, once it runs
+        # the launcher's stack dump on a hang (RayStage.signal_ranks), as in a torchrun rank
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     def probe(self, want_port: bool) -> dict[str, Any]:
@@ -146,8 +149,16 @@ class RankActor:
             "cpus": usable_cpu_count(),
         }
 
-    def drain(self, wait_s: float) -> list[str]:
-        return self.tee.drain(wait_s)
+    def drain(self, wait_s: float) -> dict[str, Any]:
+        """The output lines since the last drain (waiting up to ``wait_s`` for one) and the rank's
+        latest beacon: the live channel to the launcher, on any node of the cluster."""
+        lines = self.tee.drain(wait_s)
+        beacon = read_json(self.beacon_path) if self.beacon_path else None
+        return {"lines": lines, "beacon": beacon if isinstance(beacon, dict) else None}
+
+    def signal(self, signum: int) -> None:
+        """A signal to this rank's own process (SIGUSR1: its stacks into its output)."""
+        os.kill(os.getpid(), signum)
 
     def run(self, config_json: str, env: dict[str, str], same_node: bool) -> dict[str, Any]:
         """Run the rank; its report as plain data (what crosses Ray's object store)."""
@@ -156,6 +167,7 @@ class RankActor:
         config = WorkerConfig.from_json(config_json)
         if not same_node:  # the launcher's stage dir is not here: keep files local, return the report
             config = dataclasses.replace(config, stage_dir=tempfile.mkdtemp(prefix="gpulaunch-"))
+        self.beacon_path = str(config.paths.progress(self.rank))
         os.environ.update(env)
         mismatch = _device_mismatch(config.device_type, env)
         if mismatch:

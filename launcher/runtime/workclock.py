@@ -191,6 +191,17 @@ class WorkClock:
         with self._lock:
             return statistics.median(self._recent) if self._recent else None
 
+    def spread(self) -> tuple[float | None, int]:
+        """How much the recent steps' own work varies (their median absolute deviation from
+        the median), and how many steps the window holds: a figure from a full window that
+        varies little is a rank's real pace; one that jumps about is the machine's noise."""
+        with self._lock:
+            window = list(self._recent)
+        if not window:
+            return None, 0
+        median = statistics.median(window)
+        return statistics.median(abs(x - median) for x in window), len(window)
+
 
 # --- DDP, with no change to the job's code ---------------------------------------------------------
 

@@ -57,6 +57,7 @@ class ProgressBeacon:
         self.phase = "starting"
         self.steps: Callable[[], int] = lambda: 0
         self.work_s: Callable[[], float | None] = lambda: None  # own work per step, recent median
+        self.work_spread: Callable[[], tuple[float | None, int]] = lambda: (None, 0)  # its spread, and over how many steps
         self._stop = threading.Event()
         self._interval = interval_s
         self._identity = {"pid": os.getpid(), "pid_start": process_start_ticks()}  # see stage_worker_pids
@@ -71,7 +72,10 @@ class ProgressBeacon:
             beacon = {**self._identity, "phase": self.phase, "steps": self.steps(), "t": time.time()}
             work_s = self.work_s()
             if work_s is not None:
-                beacon["work_s"] = round(work_s, 6)
+                mad, steps = self.work_spread()
+                beacon.update(work_s=round(work_s, 6), work_n=steps)
+                if mad is not None:
+                    beacon["work_mad_s"] = round(mad, 6)
             write_json_atomic(self.path, beacon)
         except Exception:  # noqa: BLE001 - progress is best effort; the report is what counts
             pass
@@ -151,6 +155,7 @@ class _Rank:
         self.recorder = recorder
         self.beacon.steps = lambda: recorder.steps
         self.beacon.work_s = recorder.work_clock.recent
+        self.beacon.work_spread = recorder.work_clock.spread
         if self.report.world_size > 1 and self.config.time_ddp:  # every DDP model the job builds reports its own work per step
             self.undo_ddp_timing = _time_ddp_models(recorder.work_clock)  # undone in finish()
         return entry, device

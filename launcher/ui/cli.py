@@ -9,10 +9,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, LauncherError
 from launcher.records import BackendName
+
+if TYPE_CHECKING:
+    from launcher.stage.engine import JobInfo
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,7 +34,7 @@ def _run_parser() -> _Parser:
     )
     p.add_argument("job", help="the job spec, e.g. jobs/matmul_scaling.yaml")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the exact commands; spawn nothing")
-    p.add_argument("--backend", choices=BackendName.names(), help="override the spec's backend")
+    p.add_argument("--backend", help=f"override the spec's backend ({', '.join(BackendName.names())}, or an engine registered in launcher.backends)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a spec field, e.g. --set resources.cpu_workers=4")
     p.add_argument("--out", default="runs", help="root of run directories (default: runs/)")
     p.add_argument("--cluster", help="cluster file listing the hosts (configs/cluster.example.yaml)")
@@ -72,7 +75,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
     from launcher.control.api import dry_run
 
-    dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster)
+    dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address)
     if args.json:
         print(json.dumps([p.masked() for p in dry.plans], indent=2))
         return EXIT_OK
@@ -145,9 +148,9 @@ def cmd_report(argv: Sequence[str]) -> int:
     return rerender(Path(args.run_dir))
 
 
-def _ray_command(name: str) -> Callable[[Sequence[str]], int]:
+def _job_command(name: str) -> Callable[[Sequence[str]], int]:
     def command(argv: Sequence[str]) -> int:
-        p = _Parser(prog=f"launch {name}", description=f"{name} a job submitted to a Ray cluster (Ray Jobs API) or to Slurm (a numeric job id)")
+        p = _Parser(prog=f"launch {name}", description=f"{name} a run submitted to a scheduler: a Ray job (Ray Jobs API) or a Slurm job (a numeric id)")
         p.add_argument("job_id")
         p.add_argument("--address", help="the Ray dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS)")
         if name == "logs":
@@ -155,19 +158,17 @@ def _ray_command(name: str) -> Callable[[Sequence[str]], int]:
         if name == "status":
             p.add_argument("--json", action="store_true")
         args = p.parse_args(list(argv))
-        if args.address is None and args.job_id.isdigit():  # a Slurm job id: the same commands
-            from launcher.backends import slurm as jobs
-        else:
-            from launcher.backends import ray_jobs as jobs
+        from launcher.backends import submitter_for_id
 
+        scheduler = submitter_for_id(args.job_id, args.address)  # each submitter is asked whether the id is its own
         if name == "status":
-            return _print_job_status(jobs.job_info(args.job_id, args.address), as_json=args.json)
+            return _print_job_status(scheduler.status(args.job_id), as_json=args.json)
         if name == "logs":
-            jobs.job_logs(args.job_id, args.address, follow=args.follow, echo=_print_line)
+            scheduler.logs(args.job_id, follow=args.follow, echo=_print_line)
             return EXIT_OK
-        status = jobs.stop_job(args.job_id, args.address)
-        print(f"{args.job_id}: {status}")
-        return EXIT_OK if status in jobs.TERMINAL else EXIT_JOB_FAILED
+        info = scheduler.stop(args.job_id)
+        print(f"{args.job_id}: {info.status}")
+        return EXIT_OK if info.terminal else EXIT_JOB_FAILED
 
     return command
 
@@ -176,9 +177,9 @@ def _print_line(source: str, text: str) -> None:
     print(f"{source} {text}" if source else text, flush=True)
 
 
-def _print_job_status(info, *, as_json: bool) -> int:  # noqa: ANN001 - a ray_jobs.JobInfo
+def _print_job_status(info: JobInfo, *, as_json: bool) -> int:
     if as_json:
-        print(json.dumps({"job_id": info.job_id, "status": info.status, "message": info.message, "metadata": info.metadata, "entrypoint": info.entrypoint}, indent=2))
+        print(json.dumps(info.to_dict(), indent=2))
         return EXIT_OK
     print(f"{info.job_id}: {info.status}  {info.message}".rstrip())
     if info.metadata:
@@ -202,9 +203,9 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "validate": cmd_validate,
     "report": cmd_report,
     "runs": cmd_runs,
-    "status": _ray_command("status"),
-    "logs": _ray_command("logs"),
-    "stop": _ray_command("stop"),
+    "status": _job_command("status"),
+    "logs": _job_command("logs"),
+    "stop": _job_command("stop"),
 }
 
 

@@ -21,12 +21,12 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from launcher.backends.base import LaunchRequest
-from launcher.control.events import RunEvents, StageProgress
-from launcher.control.planning import StagePlan
 from launcher.masking import mask_env
 from launcher.results.store import RunResult
 from launcher.runtime.devices import NodeInventory
+from launcher.stage.engine import LaunchRequest
+from launcher.stage.plan import StagePlan
+from launcher.stage.watch import RunEvents, StageProgress
 
 _RANK_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 
@@ -396,13 +396,7 @@ class RunUI(RunEvents):
             self._live = Live(Text(""), console=self.console, refresh_per_second=4, transient=True)
             self._live.start()
 
-    def progress(self, plan: StagePlan, progress: StageProgress) -> None:
-        self._show_progress(progress)
-
-    def remote_progress(self, progress: StageProgress) -> None:
-        self._show_progress(progress)  # the same line as a local run's, from a Ray job's log
-
-    def _show_progress(self, progress: StageProgress) -> None:
+    def progress(self, progress: StageProgress) -> None:
         # only a terminal has a live line (stage_started starts it): piped output stays free of it
         if self._live is None:
             return

@@ -476,9 +476,11 @@ def integer_ticks(ax: Any, values: Any) -> None:
 
 
 def yerr(rows: list[Mapping[str, Any]], key: str) -> Any:
-    """Asymmetric error bars (median to min, median to max) for ``key``; NaN where not measured."""
-    lo = [r[key] - r[f"{key}_min"] if _num(r.get(key)) and _num(r.get(f"{key}_min")) else math.nan for r in rows]
-    hi = [r[f"{key}_max"] - r[key] if _num(r.get(key)) and _num(r.get(f"{key}_max")) else math.nan for r in rows]
+    """Asymmetric error bars (median to min, median to max) for ``key``; NaN where not measured.
+    The figures are rounded on their own, so where the trials all but agree a bound can pass the
+    median by a rounding step: such a bar is 0, never negative (matplotlib refuses those)."""
+    lo = [max(0.0, r[key] - r[f"{key}_min"]) if _num(r.get(key)) and _num(r.get(f"{key}_min")) else math.nan for r in rows]
+    hi = [max(0.0, r[f"{key}_max"] - r[key]) if _num(r.get(key)) and _num(r.get(f"{key}_max")) else math.nan for r in rows]
     return [lo, hi]
 
 

@@ -15,7 +15,8 @@ from launcher.protocol import HOST_ANSWER_TAG as JSON_TAG
 from launcher.spec.cluster import load_cluster
 from launcher.runtime.devices import NodeInventory
 from launcher.errors import SpecError
-from launcher.control.planning import NodeTarget, plan_stage
+from launcher.control.planning import plan_stage
+from launcher.stage.plan import NodeTarget
 from launcher.spec.model import load_job
 from tests.conftest import REPO
 

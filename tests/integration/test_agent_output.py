@@ -11,12 +11,13 @@ from __future__ import annotations
 import sys
 import time
 
-from launcher.protocol import AGENT_FAILURE_TAG as FAILURE_TAG
+from launcher.backends.torchrun import TorchrunEngine
 from launcher.control.api import local_node
-from launcher.backends.torchrun import TorchrunBackend
-from launcher.control.logrouting import LogRouter
 from launcher.control.planning import plan_stage
+from launcher.protocol import AGENT_FAILURE_TAG as FAILURE_TAG
 from launcher.spec.model import load_job
+from launcher.stage.events import RankExited
+from launcher.stage.logrouting import LogRouter
 from tests.conftest import REPO
 
 CHATTY_FAILED_AGENT = f"""\
@@ -39,19 +40,19 @@ def test_the_failed_rank_is_named_even_when_its_record_arrives_after_the_exit(tm
 
     monkeypatch.setattr(launcher.backends.torchrun, "agent_argv", lambda plan, node: (sys.executable, "-c", script))
     logs = LogRouter(tmp_path / "logs", echo=lambda source, text: time.sleep(0.00005))
-    backend = TorchrunBackend(plan, logs)
-    backend.start()
+    stage = TorchrunEngine().start(plan, logs)
     try:
         deadline = time.monotonic() + 60
-        status = backend.poll()
+        status = stage.poll()
         while not status.done and time.monotonic() < deadline:
             time.sleep(0.05)
-            status = backend.poll()
+            status = stage.poll()
+        events = stage.take_events()  # what the stage's channel delivered by the time poll said done
     finally:
-        backend.stop()
+        stage.stop()
         logs.close()
     assert status.done and not status.ok
-    assert [(e.rank, e.signal) for e in status.rank_exits] == [(1, "SIGKILL")], status
+    assert [(e.exit.rank, e.exit.signal) for e in events if isinstance(e, RankExited)] == [(1, "SIGKILL")], events
     last = (tmp_path / "logs" / "rank0.log").read_text().splitlines()[-1]
     assert last.startswith("line 19999 ")
     assert "gpulaunch-agent-failure" not in (tmp_path / "logs" / "rank0.log").read_text()

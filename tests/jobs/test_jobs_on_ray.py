@@ -46,7 +46,7 @@ def embedded_ray():
 @pytest.mark.parametrize("job", sorted(RAY_SETS))
 def test_every_job_runs_unchanged_on_the_ray_backend(job, tmp_path, embedded_ray):
     from launcher.control.api import run_job
-    from launcher.control.events import RunEvents
+    from launcher.stage.watch import RunEvents
 
     result = run_job(REPO / "jobs" / f"{job}.yaml", overrides=[*COMMON, *RAY_SETS[job]], backend="ray", out=tmp_path,
                      events=RunEvents(), metrics=False)

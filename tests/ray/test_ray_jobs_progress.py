@@ -1,7 +1,7 @@
 """A run submitted through the Ray Jobs API shows the same live progress on the submitting console
-as a local run: the launcher inside the job writes its stages' progress into the job's log as tagged
-lines, the submitting side turns them back into progress events, and neither its printed output nor
-``launch logs`` ever shows those lines.
+as a local run: the launcher inside the job writes its stages' progress into the job's log over the
+remote-run wire, the submitting side turns it back into progress events (and serves them on its
+own /metrics), and neither its printed output nor ``launch logs`` ever shows the wire's lines.
 
 The run is submitted in-process (``launcher.run_job(..., address=)``) with a console that records
 what it was told, so the test sees the progress readings themselves; the console prints to a pipe,
@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 from rich.console import Console
 
-from launcher.control.events import StageProgress
+from launcher.stage.watch import StageProgress
 from launcher.ui.console import RunUI
 from tests.ray.conftest import RayHead, launch
 
@@ -54,9 +54,9 @@ class RecordingUI(RunUI):
         self.stages.append(("started", world_size))
         super().stage_started(job, world_size, device_type, backend)
 
-    def remote_progress(self, progress: StageProgress) -> None:
+    def progress(self, progress: StageProgress) -> None:
         self.readings.append(progress)
-        super().remote_progress(progress)
+        super().progress(progress)
 
     def stage_finished(self) -> None:
         self.stages.append(("finished", 0))

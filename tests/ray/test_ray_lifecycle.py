@@ -59,7 +59,7 @@ def test_embedded_run_in_process_listens_on_loopback_only_and_spares_the_callers
         assert bystander.pid in baseline
 
         class Watch(launcher.RunEvents):
-            def progress(self, plan, progress):  # noqa: ANN001 - while the ranks run: every Ray process is up
+            def progress(self, progress):  # noqa: ANN001 - while the ranks run: every Ray process is up
                 if not seen:
                     seen.extend(_listeners(descendants(os.getpid()) - baseline))
 

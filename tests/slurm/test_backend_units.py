@@ -1,6 +1,7 @@
 """The Slurm backend's pure parts, without a cluster: parsing Slurm's output, the allocation a spec
 asks for (and the refusal of one no partition can hold), the sbatch script, the ``slurm:`` section's
-checks, and the lines the launcher inside a job writes for the one outside."""
+checks, and why a job that ended without a result ended (the lines the launcher inside a job
+writes for the one outside are the remote-run wire's: tests/unit/test_wire.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ import pytest
 
 from launcher.backends.slurm import commands
 from launcher.backends.slurm.commands import Partition, SlurmNode
-from launcher.backends.slurm.events import SlurmJobEvents, parse, readable, replay
 from launcher.backends.slurm.script import allocation_for, sbatch_script
 from launcher.backends.slurm.outcome import explain_end
-from launcher.control.events import RunEvents
 from launcher.errors import PlanError, SpecError
 from launcher.records import FailureReason
 from launcher.spec.model import load_job
@@ -109,41 +108,6 @@ def test_the_slurm_section_is_checked_with_file_and_line(tmp_path):
         f"{path}:9: slurm.extra_sbatch.3: --output is written by the launcher (not an option here) (got '--output=x')",
         f"{path}:10: slurm.acount: unknown key, did you mean 'account'?",
     ]
-
-
-class Recorder(RunEvents):
-    def __init__(self) -> None:
-        self.seen: list[tuple] = []
-
-    def note(self, text):
-        self.seen.append(("note", text))
-
-    def message(self, text):
-        self.seen.append(("message", text))
-
-    def rank_output(self, source, text):
-        self.seen.append(("rank", source, text))
-
-
-def test_the_job_output_carries_the_events_back(capsys):
-    inside = SlurmJobEvents()
-    inside.note("no GPU visible")
-    inside.rank_output("n2:3", "step 10 | loss 0.1")
-    inside.stage_started("tiny", 4, "cpu", "slurm")
-    inside.rank_output("n1:agent", "srun: error: n1: task 0: Killed")
-    inside.stage_finished()
-    lines = capsys.readouterr().out.splitlines()
-    outside, stages = Recorder(), []
-    for line in [*lines, "Traceback (most recent call last):"]:
-        replay(line, outside, stages.append)
-    assert outside.seen == [
-        ("note", "no GPU visible"),
-        ("rank", "n2:3", "step 10 | loss 0.1"),
-        ("rank", "n1:agent", "srun: error: n1: task 0: Killed"),
-        ("rank", "", "Traceback (most recent call last):"),
-    ]
-    assert [s["event"] for s in stages] == ["stage", "stage_end"] and stages[0]["world_size"] == 4
-    assert parse("n1:x not a rank")[0] == "text" and readable(lines[2]) == ("", "tiny: world size 4 on cpu (slurm)")
 
 
 def test_a_job_that_ended_without_a_result_is_explained(tmp_path):

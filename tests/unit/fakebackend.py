@@ -1,17 +1,16 @@
-"""A scripted fake ``Backend`` for unit tests of the run loop: no processes, no sockets.
+"""A scripted fake stage engine for unit tests of the run loop: no processes, no sockets.
 
-A script is one ``Attempt`` per backend instance the run loop makes (one per restart or port
-retry). An attempt lists what each ``poll()`` returns, in order, and what happens just before it
-returns (``Step``): rank reports and progress beacons written as the real worker writes them
-(``StagePaths`` + ``RankReport.to_dict()`` + ``write_json_atomic``), rank log lines routed through
-the run loop's ``LogRouter``, or any callable (set a stop request, write a raw file).
+A script is one ``Attempt`` per stage the run loop starts (one per restart or port retry). An
+attempt lists what each ``poll()`` of its handle returns, in order, and what happens just before
+it returns (``Step``): rank beacons and reports delivered as the live channel delivers them
+(typed events on the stage's queue), rank log lines routed through the run loop's ``LogRouter``,
+rank exits the process layer saw, or any callable (set a stop request, write a raw file).
 
 Once its steps ran out, an attempt's ``poll()`` returns ``then`` (by default: still running, i.e.
 the group hangs) until the run loop calls ``stop()``; from then on it returns ``after_stop``.
 
-``scripted(*attempts)`` makes a ``FakeBackend`` subclass to hand to ``run_stage`` (which builds
-``backend_cls(plan, logs)`` itself); its ``instances`` list records every backend made, each
-with its plan and the calls the run loop made on it.
+``scripted(*attempts)`` makes a ``FakeEngine`` to hand to ``run_stage``; its ``instances`` list
+records every stage handle started, each with its plan and the calls the run loop made on it.
 """
 
 from __future__ import annotations
@@ -19,18 +18,35 @@ from __future__ import annotations
 import signal as signal_module
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 
-from launcher.backends.base import Backend, BackendStatus, LaunchRequest
-from launcher.control.planning import StagePlan
-from launcher.procutil import write_json_atomic
-from launcher.protocol import LOG_PREFIX_SEPARATOR, RankError, RankReport, RankStatus
+from launcher.protocol import LOG_PREFIX_SEPARATOR, RankError, RankProgress, RankReport, RankStatus
 from launcher.records import RankExit
+from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
+from launcher.stage.events import RankBeacon, RankExited, RankReported
+from launcher.stage.logrouting import LogRouter
+from launcher.stage.plan import StagePlan
 
-RUNNING = BackendStatus(done=False)
-DONE_OK = BackendStatus(done=True, ok=True)
+
+@dataclass(frozen=True)
+class Status:
+    """What a poll returns (``HandleStatus``), plus the rank exits the process layer saw by then
+    (delivered as ``RankExited`` events, as an agent's failure records are)."""
+
+    done: bool
+    ok: bool = False
+    detail: str = ""
+    rendezvous_port_in_use: bool = False
+    rank_exits: tuple[RankExit, ...] = ()
+
+    def handle_status(self) -> HandleStatus:
+        return HandleStatus(self.done, self.ok, self.detail, self.rendezvous_port_in_use)
+
+
+RUNNING = Status(done=False)
+DONE_OK = Status(done=True, ok=True)
 # what the process layer says once the run loop stopped a group that had not ended by itself
-STOPPED = BackendStatus(done=True, ok=False, detail="stopped by the launcher")
+STOPPED = Status(done=True, ok=False, detail="stopped by the launcher")
 
 # what a rank's report says: OK, or the error it raised
 Outcome = Union[RankStatus, RankError]
@@ -60,39 +76,53 @@ def peer_loss(at: float | None = None) -> RankError:
 class Step:
     """One ``poll()``: its side effects (in this order), then the status it returns."""
 
-    status: BackendStatus = RUNNING
+    status: Status = RUNNING
     beacons: Mapping[int, str] = field(default_factory=dict)  # rank -> phase
     logs: Mapping[int, Sequence[str]] = field(default_factory=dict)  # rank -> lines
     reports: Mapping[int, Outcome] = field(default_factory=dict)  # rank -> OK or its error
-    effect: Callable[["FakeBackend"], None] | None = None
+    effect: Callable[["FakeStage"], None] | None = None
 
 
 @dataclass(frozen=True)
 class Attempt:
-    """What one backend instance (one attempt of a stage) does."""
+    """What one stage handle (one attempt of a stage) does."""
 
     polls: Sequence[Step] = ()
-    then: BackendStatus = RUNNING  # every poll after ``polls`` ran out, until stopped
-    after_stop: BackendStatus = STOPPED  # every poll once stopped
-    start_error: BaseException | None = None  # raised by start()
+    then: Status = RUNNING  # every poll after ``polls`` ran out, until stopped
+    after_stop: Status = STOPPED  # every poll once stopped
+    start_error: BaseException | None = None  # raised by start(), after it stopped what it started
     on_stop: Step | None = None  # side effects of stop() (its status is not used)
     on_collect: Step | None = None  # side effects of collect(): reports a remote host brought back
 
 
-class FakeBackend(Backend):
-    """A ``Backend`` that plays its class's ``attempts``, one per instance, and records calls."""
+class FakeEngine(StageEngine):
+    """An engine that plays its ``attempts``, one per stage started, and records the handles."""
 
     name = "fake"
-    attempts: ClassVar[Sequence[Attempt]] = ()
-    instances: ClassVar[list["FakeBackend"]] = []
 
-    def __init__(self, plan: StagePlan, logs) -> None:  # noqa: ANN001 - a LogRouter
+    def __init__(self, attempts: Sequence[Attempt]) -> None:
+        self.attempts = tuple(attempts)
+        self.instances: list[FakeStage] = []
+
+    def launch_request(self, plan: StagePlan) -> LaunchRequest:
+        return LaunchRequest("fake", (f"fake {plan.job} world={plan.world_size} at {plan.rendezvous}",))
+
+    def start(self, plan: StagePlan, logs: LogRouter) -> StageHandle:
+        index = len(self.instances)
+        assert index < len(self.attempts), f"the run loop started stage #{index + 1}; the script has {len(self.attempts)}"
+        stage = FakeStage(plan, logs, self.attempts[index])
+        self.instances.append(stage)
+        stage.calls.append("start")
+        if stage.script.start_error is not None:
+            stage.stop()  # as a real engine does: what it started is gone before it raises
+            raise stage.script.start_error
+        return stage
+
+
+class FakeStage(StageHandle):
+    def __init__(self, plan: StagePlan, logs: LogRouter, script: Attempt) -> None:
         super().__init__(plan, logs)
-        cls = type(self)
-        index = len(cls.instances)
-        assert index < len(cls.attempts), f"the run loop made backend #{index + 1}; the script has {len(cls.attempts)}"
-        self.script = cls.attempts[index]
-        cls.instances.append(self)
+        self.script = script
         self.calls: list[str] = []  # "start", "poll", "signal_ranks:SIGUSR1", "stop", "collect"
         self.signals: list[int] = []
         self.polls_before_stop = 0
@@ -101,22 +131,22 @@ class FakeBackend(Backend):
 
     # --- what the run loop calls -------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.calls.append("start")
-        if self.script.start_error is not None:
-            raise self.script.start_error
-
-    def poll(self) -> BackendStatus:
+    def poll(self) -> HandleStatus:
         self.calls.append("poll")
         if self.stopped:
-            return self.script.after_stop
+            return self._status(self.script.after_stop)
         self.polls_before_stop += 1
         if self._next < len(self.script.polls):
             step = self.script.polls[self._next]
             self._next += 1
             self.play(step)
-            return step.status
-        return self.script.then
+            return self._status(step.status)
+        return self._status(self.script.then)
+
+    def _status(self, status: Status) -> HandleStatus:
+        if status.rank_exits and status.done:
+            self.emit(*(RankExited(e) for e in status.rank_exits))
+        return status.handle_status()
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.calls.append("stop")
@@ -133,10 +163,6 @@ class FakeBackend(Backend):
         self.calls.append(f"signal_ranks:{signal_module.Signals(signum).name}")
         self.signals.append(signum)
 
-    @staticmethod
-    def launch_request(plan: StagePlan) -> LaunchRequest:
-        return LaunchRequest("fake", (f"fake {plan.job} world={plan.world_size} at {plan.rendezvous}",))
-
     # --- what a step does, as the real processes would -------------------------------------------
 
     def count(self, call: str) -> int:
@@ -144,24 +170,24 @@ class FakeBackend(Backend):
 
     def play(self, step: Step) -> None:
         for rank, phase in step.beacons.items():
-            self.write_beacon(rank, phase)
+            self.beacon(rank, phase)
         for rank, lines in step.logs.items():
             for line in lines:
                 self.log(rank, line)
         for rank, outcome in step.reports.items():
-            self.write_report(rank, outcome)
+            self.report(rank, outcome)
         if step.effect is not None:
             step.effect(self)
 
-    def write_beacon(self, rank: int, phase: str, steps: int = 0) -> None:
-        write_json_atomic(self.plan.paths.progress(rank), {"phase": phase, "steps": steps, "t": time.time()})
+    def beacon(self, rank: int, phase: str, steps: int = 0) -> None:
+        self.emit(RankBeacon(rank, RankProgress(phase=phase, steps=steps, t=time.time())))
 
     def log(self, rank: int, line: str) -> None:
         """A line of the rank's output, as an agent's merged output carries it (``host:rank| text``)."""
         host = self.plan.ranks[rank].host
         self.logs.route(f"{host}:{rank}{LOG_PREFIX_SEPARATOR}{line}", host)
 
-    def write_report(self, rank: int, outcome: Outcome) -> RankReport:
+    def report(self, rank: int, outcome: Outcome) -> RankReport:
         slot = self.plan.ranks[rank]
         now = time.time()
         report = RankReport(
@@ -179,13 +205,13 @@ class FakeBackend(Backend):
             pid=10_000 + rank,
             rendezvous=str(self.plan.rendezvous),
         )
-        write_json_atomic(self.plan.paths.report(rank), report.to_dict())
+        self.emit(RankReported(report))
         return report
 
 
-def scripted(*attempts: Attempt) -> type[FakeBackend]:
-    """A FakeBackend class that plays ``attempts`` in turn (one per instance the run loop makes)."""
-    return type("ScriptedBackend", (FakeBackend,), {"attempts": tuple(attempts), "instances": []})
+def scripted(*attempts: Attempt) -> FakeEngine:
+    """A FakeEngine that plays ``attempts`` in turn (one per stage the run loop starts)."""
+    return FakeEngine(attempts)
 
 
 def exits(*items: tuple[int, str | int]) -> tuple[RankExit, ...]:

@@ -141,7 +141,7 @@ CASES = [
     Case("set-inside-a-list", BASE + "params: {sizes: [8, 16]}\n", ("--set params.sizes.1: params.sizes is not a mapping of fields; set it whole",),
          argv=("--set", "params.sizes.1=-1")),
     Case("set-negative", BASE, ("--set max_restarts: expected greater than or equal to 0",), argv=("--set", "max_restarts=-3")),
-    Case("backend-flag-unknown", BASE, ("--backend: invalid choice: 'pbs'",), argv=("--backend", "pbs")),
+    Case("backend-flag-unknown", BASE, ("--backend: unknown backend 'pbs' (expected one of: torchrun, ray, slurm)",), argv=("--backend", "pbs")),
     Case("unknown-flag", BASE, ("unrecognized arguments: --frobnicate",), argv=("--frobnicate",)),
     Case("no-job-given", None, ("the following arguments are required: job",), kind="nofile"),
     Case("cluster-file-missing", BASE, ("no-such-cluster.yaml: no such cluster file",), argv=("--cluster", "no-such-cluster.yaml")),

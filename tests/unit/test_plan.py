@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.backends.torchrun import TorchrunBackend, agent_argv
-from launcher.control.planning import NodeTarget, RankPlacement, make_plans, place_ranks
+from launcher.backends.torchrun import TorchrunEngine, agent_argv
+from launcher.control.planning import make_plans
+from launcher.stage.plan import NodeTarget, RankPlacement, place_ranks
 from launcher.errors import PlanError
 from launcher.protocol import WorkerConfig
 from launcher.runtime.devices import discover
@@ -107,7 +108,7 @@ def test_rank_env_is_what_torchrun_gives_a_script(tmp_path):
 
 def test_torchrun_command_is_plain_torchrun_with_the_same_arguments(tmp_path):
     (plan,) = plans(tmp_path, "", [node("h")])
-    request = TorchrunBackend.launch_request(plan)
+    request = TorchrunEngine().launch_request(plan)
     assert request.backend == "torchrun" and request.commands[0].startswith("[h] $ torchrun ")
     cmd = shlex.split(request.commands[0].partition(" $ ")[2])
     assert cmd[0] == "torchrun" and cmd[1:] == list(agent_argv(plan, plan.nodes[0])[3:])

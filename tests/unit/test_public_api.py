@@ -39,6 +39,6 @@ def test_cli_main_maps_errors_to_exit_codes(capsys, tmp_path):
     assert main(["no/such/job.yaml"]) == 2
     assert capsys.readouterr().err.strip() == "error: no/such/job.yaml: no such job spec"
     assert main(["jobs/matmul_scaling.yaml", "--backend", "pbs"]) == 2
-    assert "invalid choice: 'pbs'" in capsys.readouterr().err
+    assert "unknown backend 'pbs' (expected one of: torchrun, ray, slurm)" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2
     assert "result.json: missing" in capsys.readouterr().err

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.backends.base import BackendStatus
 from launcher.control import runloop
-from launcher.control.events import RunEvents, StageProgress
-from launcher.control.planning import NodeTarget, StagePlan, plan_stage
+from launcher.control.planning import plan_stage
 from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import BackendError, LauncherError
 from launcher.masking import MASK
@@ -26,10 +24,14 @@ from launcher.protocol import RankStatus, StagePaths, WorkerConfig
 from launcher.records import FailureReason, RunStatus, StageOutcome
 from launcher.runtime.devices import NodeInventory
 from launcher.spec.model import load_job
+from launcher.stage.plan import NodeTarget, StagePlan
+from launcher.stage.watch import RunEvents, StageProgress
 from tests.unit.fakebackend import (
     DONE_OK,
     STOPPED,
     Attempt,
+    FakeEngine,
+    Status,
     Step,
     error,
     exits,
@@ -83,11 +85,11 @@ class Recorded(RunEvents):
     def message(self, text: str) -> None:
         self.messages.append(text)
 
-    def progress(self, plan: StagePlan, progress: StageProgress) -> None:
+    def progress(self, progress: StageProgress) -> None:
         self.progresses.append(progress)
 
 
-def run(plans: Plans, backend: type, stop: StopRequest | None = None, events: RunEvents | None = None) -> StageOutcome:
+def run(plans: Plans, backend: FakeEngine, stop: StopRequest | None = None, events: RunEvents | None = None) -> StageOutcome:
     # not ``stop or StopRequest()``: a StopRequest not yet set is falsy
     return run_stage(plans, backend, stop=StopRequest() if stop is None else stop, events=events)
 
@@ -132,8 +134,8 @@ def test_success_loads_every_report_and_tears_down_once(tmp_path: Path) -> None:
     assert events.messages == []
 
 
-def test_reports_a_backend_brings_back_in_collect_are_read(tmp_path: Path) -> None:
-    """A remote backend copies reports home in collect(): they are loaded after it, not before."""
+def test_reports_an_engine_brings_back_in_collect_are_read(tmp_path: Path) -> None:
+    """A remote engine's collect() delivers the reports its live channel missed: they count."""
     backend = scripted(Attempt(polls=[Step(status=DONE_OK)], on_collect=Step(reports={0: OK, 1: OK})))
     outcome = run(Plans(tmp_path), backend)
     assert outcome.status == RunStatus.SUCCEEDED
@@ -157,7 +159,7 @@ def test_group_that_ends_ok_with_a_rank_without_report_failed(tmp_path: Path) ->
 
 def test_rank_failure_report_fails_fast_without_waiting_for_the_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runloop, "FAILURE_GRACE_S", 30.0)  # a real error must not wait for it
-    after_stop = BackendStatus(done=True, ok=False, rank_exits=exits((0, "SIGTERM")), detail="agent on h exited with 1")
+    after_stop = Status(done=True, ok=False, rank_exits=exits((0, "SIGTERM")), detail="agent on h exited with 1")
     backend = scripted(
         Attempt(
             polls=[BOTH_RUNNING, Step(logs={1: ["loading batch 7"]}, reports={1: error("ValueError", "bad batch shape (3, 4)")})],
@@ -189,7 +191,7 @@ def test_rank_killed_by_a_signal_is_the_root_cause_and_its_peer_collateral(tmp_p
     """Rank 1 is SIGKILLed (no report; only the process layer knows); rank 0 then reports the
     lost connection. The loop waits for the process layer rather than blaming rank 0."""
     monkeypatch.setattr(runloop, "FAILURE_GRACE_S", 30.0)  # the group's end comes well before it
-    died = BackendStatus(done=True, ok=False, rank_exits=exits((1, "SIGKILL")), detail="agent on h exited with 1")
+    died = Status(done=True, ok=False, rank_exits=exits((1, "SIGKILL")), detail="agent on h exited with 1")
     backend = scripted(Attempt(polls=[BOTH_RUNNING, Step(reports={0: peer_loss()}), Step(), Step(status=died)]))
     t0 = time.monotonic()
     outcome = run(Plans(tmp_path), backend)
@@ -209,7 +211,7 @@ def test_rank_killed_by_a_signal_is_the_root_cause_and_its_peer_collateral(tmp_p
 
 def test_peer_loss_alone_waits_the_grace_before_failing(tmp_path: Path) -> None:
     """Only "a peer is gone" so far: the process layer gets FAILURE_GRACE_S to say who died."""
-    after_stop = BackendStatus(done=True, ok=False, rank_exits=exits((1, "SIGKILL")))
+    after_stop = Status(done=True, ok=False, rank_exits=exits((1, "SIGKILL")))
     backend = scripted(Attempt(polls=[BOTH_RUNNING, Step(reports={0: peer_loss()})], after_stop=after_stop))
     t0 = time.monotonic()
     outcome = run(Plans(tmp_path), backend)
@@ -244,12 +246,13 @@ def test_a_real_error_during_the_grace_fails_at_once(tmp_path: Path, monkeypatch
     assert outcome.failure.collateral_ranks == (0,)
 
 
-def test_a_failure_to_start_propagates_after_a_teardown(tmp_path: Path) -> None:
+def test_a_failure_to_start_propagates_after_the_engine_tore_down(tmp_path: Path) -> None:
+    """An engine that cannot start stops what it started itself; the run loop has no handle to stop."""
     backend = scripted(Attempt(start_error=BackendError("cannot start the torchrun agent for h: boom")))
     with pytest.raises(LauncherError, match="boom"):
         run(Plans(tmp_path), backend)
     (b,) = backend.instances
-    assert b.calls == ["start", "stop", "collect"]
+    assert b.calls == ["start", "stop"]
 
 
 # --- restarts and port retries --------------------------------------------------------------------
@@ -258,7 +261,7 @@ def test_a_failure_to_start_propagates_after_a_teardown(tmp_path: Path) -> None:
 def failing(message: str, *, log: str | None = None) -> Attempt:
     return Attempt(
         polls=[BOTH_RUNNING, Step(logs={0: [log]} if log else {}, reports={0: error("RuntimeError", message)})],
-        after_stop=BackendStatus(done=True, ok=False, rank_exits=exits((1, "SIGTERM"))),
+        after_stop=Status(done=True, ok=False, rank_exits=exits((1, "SIGTERM"))),
     )
 
 
@@ -299,7 +302,7 @@ def port_taken(port: int) -> Attempt:
     return Attempt(
         polls=[
             Step(
-                status=BackendStatus(
+                status=Status(
                     done=True, ok=False, detail=f"rendezvous port {port} on h was already in use", rendezvous_port_in_use=True
                 )
             )
@@ -350,7 +353,7 @@ def test_run_timeout_dumps_stacks_and_names_the_stuck_ranks(tmp_path: Path) -> N
     backend = scripted(
         Attempt(
             polls=[BOTH_RUNNING, Step(beacons={0: "finished"}, reports={0: OK})],
-            after_stop=BackendStatus(done=True, ok=False, rank_exits=exits((1, "SIGTERM"))),
+            after_stop=Status(done=True, ok=False, rank_exits=exits((1, "SIGTERM"))),
         )
     )
     t0 = time.monotonic()
@@ -371,7 +374,7 @@ def test_run_timeout_dumps_stacks_and_names_the_stuck_ranks(tmp_path: Path) -> N
 
 def test_stop_request_from_another_thread_interrupts_with_no_collateral(tmp_path: Path) -> None:
     stop = StopRequest()
-    after_stop = BackendStatus(done=True, ok=False, rank_exits=exits((0, "SIGTERM"), (1, "SIGTERM")))
+    after_stop = Status(done=True, ok=False, rank_exits=exits((0, "SIGTERM"), (1, "SIGTERM")))
     backend = scripted(Attempt(polls=[BOTH_RUNNING], after_stop=after_stop))
     timer = threading.Timer(0.02, stop.set, args=("SIGINT",))
     timer.start()
@@ -447,7 +450,7 @@ def test_run_job_hands_the_callers_stop_request_to_the_run_loop(tmp_path: Path, 
 
     seen: list[StopRequest] = []
 
-    def run_stages(loaded, name, backend_cls, nodes, run_dir, stop, events):  # noqa: ANN001, ANN202
+    def run_stages(loaded, engine, nodes, run_dir, stop, events):  # noqa: ANN001, ANN202
         seen.append(stop)
         raise Reached
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from launcher.backends.ray_jobs import LEFT_FILE, emit_bundle, job_log_lines, unpack_bundle
+from launcher.backends.ray_jobs.bundle import LEFT_FILE, BundleLines, emit_bundle, unpack_bundle
 from launcher.control import submitted
 
 
@@ -24,7 +24,23 @@ def test_large_files_stay_on_the_cluster_and_are_listed(tmp_path):
     assert not (back / "world2" / "checkpoint.pt").exists()
     listing = json.loads((back / LEFT_FILE).read_text())
     assert [f["path"] for f in listing["files"]] == left and listing["files"][0]["bytes"] == 2_000_000
-    assert job_log_lines("\n".join(["a", *lines, "b"])) == ["a", "b"]  # what `launch logs` shows
+    assert [line for line in ["a", *lines, "b"] if not BundleLines().take(line)] == ["a", "b"]  # what `launch logs` shows
+
+
+def test_the_runs_record_always_travels_however_large(tmp_path):
+    """A result.json or a rank's report over the limit (a few thousand logged steps) still comes
+    back: only artifacts stay on the cluster."""
+    run_dir = tmp_path / "cluster" / "job" / "20261123-000000-abcdef"
+    (run_dir / "world2" / "reports").mkdir(parents=True)
+    big = {"status": "succeeded", "stages": [], "series": list(range(300_000))}
+    (run_dir / "result.json").write_text(json.dumps(big))
+    (run_dir / "world2" / "reports" / "rank0.json").write_text(json.dumps(big))
+    assert (run_dir / "result.json").stat().st_size > 1_000_000
+    lines: list[str] = []
+    assert emit_bundle(run_dir, write=lines.append, max_file=1_000_000) == []
+    back = unpack_bundle("\n".join(lines), tmp_path / "client")
+    assert back is not None and json.loads((back / "result.json").read_text()) == big
+    assert json.loads((back / "world2" / "reports" / "rank0.json").read_text()) == big
 
 
 def test_a_cluster_python_without_the_dependencies_says_what_it_lacks(capsys, monkeypatch):

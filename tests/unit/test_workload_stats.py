@@ -309,3 +309,15 @@ def test_trial_loop_runs_the_count_then_extends_to_the_time_budget():
         n += 1
     assert n >= 4 and time.perf_counter() - start >= 0.05
     assert n <= _common.MAX_TRIALS
+
+
+def test_error_bars_are_never_negative_where_rounding_crosses_the_median():
+    """cpu_vs_gpu's throughput bars come from rounded figures: with the trials all but equal, the
+    bound computed from the rounded time passed the rounded median and matplotlib refused the
+    plot ("'yerr' must not contain negative values")."""
+    from launcher.workloads._common import yerr
+
+    rows = [{"v": 91.6, "v_min": 91.60004, "v_max": 91.59998}, {"v": 10.0, "v_min": 9.0, "v_max": 12.0}, {"v": None}]
+    lo, hi = yerr(rows, "v")
+    assert lo[:2] == [0.0, 1.0] and hi[:2] == [0.0, 2.0]
+    assert all(x != x for x in (lo[2], hi[2]))  # NaN where not measured: matplotlib leaves a gap

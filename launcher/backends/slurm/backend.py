@@ -1,11 +1,12 @@
-"""The Slurm backend: the torchrun backend with an ``srun`` step per node, inside a batch job.
+"""The srun engine: the torchrun engine with an ``srun`` step per node, inside a Slurm batch job.
 
-From the user's ``launch`` (``submits_run``), the run is handed to Slurm as one batch job
-(``launcher.backends.slurm.submit``). Inside that job the same ``run_job`` runs with this backend:
-the nodes are the allocation's, planned as usual, and each node's torchrun agent is started by
-``SrunTransport`` as a one-task step on that node. Everything else (agent argv, log routing, rank
-failures, restarts, teardown) is the torchrun backend's, unchanged. Slurm adds one failure of its
-own: a node lost mid-run, named in its ranks' reports (``collect``).
+From the user's ``launch``, the run is handed to Slurm as one batch job (the Slurm submitter,
+``launcher.backends.slurm.submit``). Inside that job the same ``run_job`` runs with this engine: the
+nodes are the allocation's, planned as usual, and each node's torchrun agent is started by
+``SrunTransport`` as a one-task step on that node; its output (rank lines and the ranks' forwarded
+beacons and reports) comes back through srun. Everything else (agent argv, log routing, rank
+failures, restarts, teardown) is the torchrun engine's, unchanged. Slurm adds one failure of its
+own: a node lost mid-run (its ranks fell silent and its slurmd does not answer), its ranks lost with it.
 """
 
 from __future__ import annotations
@@ -16,26 +17,24 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from launcher.backends.base import BackendStatus, LaunchRequest
 from launcher.backends.slurm import commands
-from launcher.backends.slurm.script import ENV_INSIDE, srun_argv
-from launcher.backends.torchrun import TorchrunBackend, agent_argv
+from launcher.backends.slurm.script import srun_argv
+from launcher.backends.torchrun import TorchrunEngine, TorchrunStage, agent_argv
 from launcher.backends.transports import Transport
-from launcher.control.planning import NodeTarget
 from launcher.errors import BackendError, PlanError
-from launcher.procutil import read_json, signal_group, stop_groups, write_json_atomic
-from launcher.protocol import ENV_PARENT_PID, RankProgress, RankReport
+from launcher.procutil import signal_group, stop_groups
+from launcher.protocol import ENV_PARENT_PID, NODE_LOST
 from launcher.runtime.devices import NodeInventory, discover
+from launcher.stage.engine import HandleStatus, LaunchRequest, StageHandle
+from launcher.stage.events import RanksLost
+from launcher.stage.plan import NodeTarget
 
 if TYPE_CHECKING:
-    from launcher.control.events import RunEvents
-    from launcher.control.logrouting import LogRouter
-    from launcher.control.planning import NodeSlot, StagePlan
-    from launcher.results.store import RunResult
     from launcher.spec.model import LoadedJob
+    from launcher.stage.logrouting import LogRouter
+    from launcher.stage.plan import NodeSlot, StagePlan
 
 SRUN_STOP_S = 2.0  # after SIGTERM, how long an srun may take to cancel its step before SIGKILL
 PROBE_S = 2.0  # how long a node's slurmd may take to accept a connection before it counts as lost
@@ -48,7 +47,8 @@ CHECK_EVERY_S = 1.0
 
 class SrunTransport(Transport):
     """A node of the allocation: its agent is ``srun --nodes=1 --nodelist=NODE ... agent``. The
-    run directory is on the cluster's shared filesystem: nothing to copy either way."""
+    run directory is on the cluster's shared filesystem: nothing to copy either way, and what the
+    live channel missed is read from there (``Transport.collect``)."""
 
     def describe(self, node: NodeSlot, plan: StagePlan, agent_argv: Sequence[str]) -> str:
         return shlex.join(srun_argv(node, plan.job, agent_argv))
@@ -77,61 +77,51 @@ class SrunTransport(Transport):
 SRUN = SrunTransport()
 
 
-class SlurmBackend(TorchrunBackend):
+class SrunEngine(TorchrunEngine):
     name = "slurm"
 
-    def __init__(self, plan: StagePlan, logs: LogRouter) -> None:
-        super().__init__(plan, logs)
-        self._started_at = time.time()
-        self._ended_without_reports: dict[str, float] = {}
-        self._beacons: dict[int, tuple[float | None, float]] = {}  # rank -> (its beacon's t, when that was new)
-        self._next_check = 0.0
-        self._lost: dict[str, str] = {}  # host -> why
+    def check_job(self, job: LoadedJob, cluster: str | None) -> None:
+        check_no_cluster_file(job, cluster)
 
-    # --- outside the job: the launcher submits itself --------------------------------------------
-
-    @classmethod
-    def submits_run(cls) -> bool:
-        return os.environ.get(ENV_INSIDE) != "1"
-
-    @classmethod
-    def submit_run(cls, job: LoadedJob, *, out: Path, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
-        from launcher.backends.slurm.submit import submit_run
-
-        return submit_run(job, out=out, events=events, stop=stop, detach=detach)
-
-    @classmethod
-    def plan_submission(cls, job: LoadedJob, *, out: Path) -> tuple[list[StagePlan], list[LaunchRequest], list[str]]:
-        from launcher.backends.slurm.submit import plan_submission
-
-        return plan_submission(job, out=out)
-
-    @classmethod
-    def check_job(cls, job: Any, cluster: str | None) -> None:
-        if cluster or job.spec.cluster:
-            where = "--cluster" if cluster else f"{job.path}: cluster"
-            raise PlanError(f"{where}: a cluster file is for the torchrun backend over SSH; on Slurm the nodes are the job's allocation")
-
-    # --- inside the job: the allocation's nodes, one srun step each ------------------------------
-
-    @classmethod
-    def schedules_onto_cluster(cls) -> bool:
+    @property
+    def plans_on_own_cluster(self) -> bool:
         return True
 
-    @classmethod
-    def pool_nodes(cls, job: LoadedJob) -> list[NodeTarget]:
+    def pool_nodes(self, job: LoadedJob) -> list[NodeTarget]:
         return allocation_nodes(job)
 
-    @staticmethod
-    def launch_request(plan: StagePlan) -> LaunchRequest:
+    def transport(self, node: NodeSlot) -> Transport:
+        return SRUN
+
+    def launch_request(self, plan: StagePlan) -> LaunchRequest:
         commands_ = tuple(f"[{node.host}] $ {SRUN.describe(node, plan, agent_argv(plan, node))}" for node in plan.nodes)
-        return LaunchRequest("slurm", commands_, ("inside the job, one srun step per node runs its torchrun agent",))
+        return LaunchRequest(self.name, commands_, ("inside the job, one srun step per node runs its torchrun agent",))
 
-    def _transports(self) -> dict[Transport, list[NodeSlot]]:
-        return {SRUN: list(self.plan.nodes)}
+    def start(self, plan: StagePlan, logs: LogRouter) -> StageHandle:
+        stage = SrunStage(plan, logs, self.transport)
+        stage.start()
+        return stage
 
-    def poll(self) -> BackendStatus:
-        """The torchrun backend's, and Slurm's own: a lost node (its ranks silent and its slurmd
+
+def check_no_cluster_file(job: LoadedJob, cluster: str | None) -> None:
+    if cluster or job.spec.cluster:
+        where = "--cluster" if cluster else f"{job.path}: cluster"
+        raise PlanError(f"{where}: a cluster file is for the torchrun backend over SSH; on Slurm the nodes are the job's allocation")
+
+
+class SrunStage(TorchrunStage):
+    """The torchrun stage, plus Slurm's own failure: a node lost mid-run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._started_at = time.time()
+        self._ended_without_reports: dict[str, float] = {}
+        self._quiet_since: dict[int, tuple[float | None, float]] = {}  # rank -> (its beacon's t, when that was new)
+        self._next_check = 0.0
+        self._lost_nodes: dict[str, str] = {}  # host -> why
+
+    def poll(self) -> HandleStatus:
+        """The torchrun stage's, and Slurm's own: a lost node (its ranks silent and its slurmd
         gone, found here within seconds; Slurm itself takes SlurmdTimeout), and a step that ended
         with 0 but without its ranks' reports (srun ends so after "Node failure on NODE")."""
         status = super().poll()
@@ -141,72 +131,70 @@ class SlurmBackend(TorchrunBackend):
             self._next_check = time.monotonic() + CHECK_EVERY_S
             lost = self._check_silent_nodes()
             if lost:
-                return BackendStatus(done=True, ok=False, detail="; ".join(f"lost node {h} ({why})" for h, why in lost.items()))
+                return HandleStatus(done=True, ok=False, detail="; ".join(f"lost node {h} ({why})" for h, why in lost.items()))
         for node, _, proc in self._agents:
             if proc.poll() != 0 or not self._unreported(node):
                 continue
             first = self._ended_without_reports.setdefault(node.host, time.monotonic())
             if time.monotonic() - first > REPORT_GRACE_S:
-                return BackendStatus(done=True, ok=False, detail=f"the srun step on {node.host} ended without its ranks' reports")
+                return HandleStatus(done=True, ok=False, detail=f"the srun step on {node.host} ended without its ranks' reports")
         return status
 
     def _check_silent_nodes(self) -> dict[str, str]:
-        """Probe the running nodes whose every rank's beacon has stood still for SILENT_S (and
-        once they all had one); those whose slurmd is gone are lost."""
+        """Probe the running nodes whose every rank's beacon has stood still for SILENT_S (a rank
+        never heard from: since the stage started); those whose slurmd is gone are lost. A probe
+        whose slurmd answers costs one connection, and the silence is counted again."""
         now, silent = time.monotonic(), []
         for node, _, proc in self._agents:
-            if proc.poll() is not None or node.host in self._lost:
+            if proc.poll() is not None or node.host in self._lost_nodes:
                 continue
             quiet = True
-            for slot in (r for r in self.plan.ranks if r.node_rank == node.node_rank):
-                t = RankProgress.from_dict(read_json(self.plan.paths.progress(slot.rank))).t
-                last_t, since = self._beacons.get(slot.rank, (None, now))
+            for slot in self._ranks_of(node):
+                t = self.logs.beacon_times.get(slot)
+                last_t, since = self._quiet_since.setdefault(slot, (None, now))
                 if t != last_t:
-                    self._beacons[slot.rank] = (t, now)
+                    self._quiet_since[slot] = (t, now)
                     since = now
-                quiet = quiet and t is not None and now - since > SILENT_S
+                quiet = quiet and now - since > SILENT_S
             if quiet:
                 silent.append(node)
         if not silent:
             return {}
         for node in silent:  # probed once per silence: a slurmd that answered is not asked again soon
-            for slot in (r for r in self.plan.ranks if r.node_rank == node.node_rank):
-                self._beacons[slot.rank] = (self._beacons[slot.rank][0], now)
+            for slot in self._ranks_of(node):
+                self._quiet_since[slot] = (self._quiet_since[slot][0], now)
         lost = lost_nodes(silent)
-        self._lost.update(lost)
+        self._lost_nodes.update(lost)
         return lost
+
+    def _ranks_of(self, node: NodeSlot) -> list[int]:
+        return [r.rank for r in self.plan.ranks if r.node_rank == node.node_rank]
 
     def stop(self, grace_s: float = 5.0) -> None:
         for node, _, proc in self._agents:  # the srun of a lost node would wait for an answer in vain
-            if node.host in self._lost and proc.poll() is None:
+            if node.host in self._lost_nodes and proc.poll() is None:
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
         super().stop(grace_s)
 
     def _unreported(self, node: NodeSlot) -> list[int]:
-        return [r.rank for r in self.plan.ranks if r.node_rank == node.node_rank and not self.plan.paths.report(r.rank).exists()]
+        return [r for r in self._ranks_of(node) if r not in self.logs.reported]
 
     def collect(self) -> None:
-        """A node whose ranks left no report and whose slurmd is gone was lost: each such rank
-        gets a report saying so, stamped when the node was last heard of (its ranks' beacons), so
-        the failure's root cause names the node and not a peer that lost its connection to it."""
+        """The files on the shared filesystem, then: a node whose ranks left no report and whose
+        slurmd is gone was lost, its ranks with it, last heard of when their beacons last came
+        (so the failure's root cause names the node and not a peer that lost its connection to it)."""
+        super().collect()
         silent = {node.host: (node, self._unreported(node)) for node in self.plan.nodes}
         silent = {host: entry for host, entry in silent.items() if entry[1]}
         if not silent:
             return
-        known = {h: why for h, why in self._lost.items() if h in silent}
+        known = {h: why for h, why in self._lost_nodes.items() if h in silent}
         unknown = [node for host, (node, _) in silent.items() if host not in known]
         for host, reason in {**known, **lost_nodes(unknown)}.items():
             ranks = silent[host][1]
-            last = [RankProgress.from_dict(read_json(self.plan.paths.progress(r))).t for r in ranks]
-            seen = max((t for t in last if t is not None), default=self._started_at)
-            for slot in (r for r in self.plan.ranks if r.rank in ranks):
-                report = RankReport.failed(
-                    error_type="NodeLost", message=f"lost node {host} ({reason})", at=seen,
-                    rank=slot.rank, local_rank=slot.local_rank, node_rank=slot.node_rank,
-                    world_size=self.plan.world_size, host=slot.host, device=slot.device,
-                )  # fmt: skip
-                write_json_atomic(self.plan.paths.report(slot.rank), report.to_dict())
+            seen = max((self.logs.beacon_times[r] for r in ranks if r in self.logs.beacon_times), default=self._started_at)
+            self.emit(RanksLost(tuple(ranks), host, NODE_LOST, f"lost node {host} ({reason})", at=seen))
             self.logs.route(f"gpulaunch: lost node {host} ({reason})", host)
 
 

@@ -28,22 +28,26 @@ class SlurmError(LauncherError):
     exit_code = EXIT_BAD_INPUT
 
 
+class SlurmUnreachable(SlurmError):
+    """No Slurm to ask here: its commands are missing, or they cannot reach a controller."""
+
+
 def run(argv: Sequence[str], *, timeout_s: float = TIMEOUT_S, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run a Slurm client command; raise SlurmError if it is missing or does not answer in time."""
     if shutil.which(argv[0]) is None:
-        raise SlurmError(f"{argv[0]}: command not found; the Slurm client commands (sinfo, sbatch, squeue, scontrol, scancel) must be installed where launch runs")
+        raise SlurmUnreachable(f"{argv[0]}: command not found; the Slurm client commands (sinfo, sbatch, squeue, scontrol, scancel) must be installed where launch runs")
     try:
         # its own session: a Ctrl-C at the terminal is the launcher's to handle
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False, env=env, start_new_session=True)
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"{' '.join(argv[:3])}: no answer within {timeout_s:g}s (is slurmctld up?)") from None
+        raise SlurmUnreachable(f"{' '.join(argv[:3])}: no answer within {timeout_s:g}s (is slurmctld up?)") from None
 
 
 def checked(argv: Sequence[str], **kwargs) -> str:
     """stdout of a command that must succeed."""
     done = run(argv, **kwargs)
-    if done.returncode != 0:
-        raise SlurmError(f"{' '.join(argv[:3])} failed: {one_line(done.stderr or done.stdout)}")
+    if done.returncode != 0:  # a client with no configuration, or no controller to talk to
+        raise SlurmUnreachable(f"{' '.join(argv[:3])} failed: {one_line(done.stderr or done.stdout)}")
     return done.stdout
 
 

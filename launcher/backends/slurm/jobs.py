@@ -9,29 +9,43 @@ cancelled before it ran) gets one written here, so ``launch report RUN_DIR`` ren
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from launcher.backends.slurm import commands
-from launcher.backends.slurm.events import readable
-from launcher.backends.slurm.script import RECORD_FILE
 from launcher.backends.slurm.outcome import settle
-from launcher.backends.slurm.submit import OutputTail, cancel_and_wait
+from launcher.backends.slurm.script import RECORD_FILE
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
+from launcher.stage.engine import JobInfo
+from launcher.stage.wire import readable
 
-TERMINAL = commands.TERMINAL
+STOP_GRACE_S = 15.0  # after SIGTERM, for the launcher inside to stop its steps and write its result
+KILL_WAIT_S = 60.0  # after scancel, for Slurm to end every step (KillWait, then SIGKILL)
+ACTIVE_NOT_STARTED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESV_DEL_HOLD")
 
 
-@dataclass(frozen=True)
-class SlurmJobInfo:
-    """What ``launch status`` prints: the same fields as a Ray job's."""
+class OutputTail:
+    """The job's output file, read a whole line at a time as the job writes it."""
 
-    job_id: str
-    status: str
-    message: str
-    metadata: dict[str, str] = field(default_factory=dict)
-    entrypoint: str = ""
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pos = 0
+        self._partial = b""
+
+    def lines(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self._pos)
+                data = handle.read()
+        except OSError:
+            return []
+        self._pos += len(data)
+        *complete, self._partial = (self._partial + data).split(b"\n")
+        if final and self._partial:
+            complete.append(self._partial)
+            self._partial = b""
+        return [line.decode("utf-8", errors="replace") for line in complete]
+
 
 
 def _locate(job_id: str) -> tuple[commands.JobState, dict[str, str], Path | None]:
@@ -50,7 +64,7 @@ def _locate(job_id: str) -> tuple[commands.JobState, dict[str, str], Path | None
     return state, record, run_dir
 
 
-def job_info(job_id: str, address: str | None = None) -> SlurmJobInfo:
+def job_info(job_id: str) -> JobInfo:
     state, record, run_dir = _locate(job_id)
     if state.state in ("PENDING", "CONFIGURING"):
         message = f"waiting: {state.reason}"
@@ -65,10 +79,10 @@ def job_info(job_id: str, address: str | None = None) -> SlurmJobInfo:
             data = settle(run_dir, job_id, state)
             metadata["result"] = str(data.get("status"))
             message += f"; run {data.get('status')}" + (f": {data['failure']['summary']}" if data.get("failure") else "")
-    return SlurmJobInfo(job_id, state.state, message, {k: v for k, v in metadata.items() if v}, record.get("Command", ""))
+    return JobInfo(job_id, state.state, state.terminal, message, {k: v for k, v in metadata.items() if v}, record.get("Command", ""))
 
 
-def job_logs(job_id: str, address: str | None = None, *, follow: bool, echo: Callable[[str, str], None]) -> None:
+def job_logs(job_id: str, *, follow: bool, echo: Callable[[str, str], None]) -> None:
     """The job's output as the run showed it (``host:rank text``, the launcher's lines)."""
     state, record, _ = _locate(job_id)
     out = record.get("StdOut")
@@ -90,7 +104,7 @@ def job_logs(job_id: str, address: str | None = None, *, follow: bool, echo: Cal
             echo(*shown)
 
 
-def stop_job(job_id: str, address: str | None = None) -> str:
+def stop_job(job_id: str) -> str:
     """Cancel the job, wait until every step of it is gone; its final state."""
     state, _, run_dir = _locate(job_id)
     if not state.terminal:
@@ -99,3 +113,44 @@ def stop_job(job_id: str, address: str | None = None) -> str:
     if run_dir is not None and state.terminal:
         settle(run_dir, job_id, state, interrupted=f"launch stop {job_id}")
     return state.state
+
+
+def cancel_and_wait(job_id: str, *, hurry: Any = lambda: False, pump: Any = lambda: None) -> commands.JobState | None:
+    """Cancel a job and wait until it has left every active state (its steps are gone): a
+    running one first gets SIGTERM in its batch script (the launcher inside stops its steps and
+    writes its result), then ``scancel`` after STOP_GRACE_S (at once when ``hurry()`` turns true)."""
+    try:
+        state = commands.squeue_state(job_id)
+    except commands.SlurmError:  # slurmctld does not answer: ask for the cancel all the same
+        commands.cancel(job_id)
+        return wait_ended(job_id, STOP_GRACE_S, hurry, pump)
+    if state is None or state.terminal:
+        return state
+    if state.state == "COMPLETING":
+        return wait_ended(job_id, KILL_WAIT_S, hurry, pump)
+    if state.state in ACTIVE_NOT_STARTED:
+        commands.cancel(job_id)
+    else:
+        commands.cancel(job_id, batch_signal="TERM")
+        state = wait_ended(job_id, STOP_GRACE_S, hurry, pump)
+        if state is None or state.terminal:
+            return state
+        commands.cancel(job_id)
+    return wait_ended(job_id, KILL_WAIT_S, lambda: False, pump)
+
+
+def wait_ended(job_id: str, timeout_s: float, hurry: Any, pump: Any) -> commands.JobState | None:
+    deadline = time.monotonic() + timeout_s
+    state = None
+    while True:
+        try:
+            state = commands.squeue_state(job_id)
+        except commands.SlurmError:
+            pass  # slurmctld did not answer this time: ask again until the deadline
+        else:
+            if state is None or state.terminal:
+                return state
+        pump()
+        if time.monotonic() > deadline or hurry():
+            return state
+        time.sleep(0.2)

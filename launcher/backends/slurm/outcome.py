@@ -12,12 +12,12 @@ import yaml
 
 from launcher.backends.slurm import commands
 from launcher.backends.slurm.script import RECORD_FILE, output_path
-from launcher.control.events import RunEvents
 from launcher.errors import LauncherError
 from launcher.procutil import read_json
 from launcher.records import Failure, FailureReason
 from launcher.results.aggregate import aggregate
 from launcher.results.store import RunResult, load_result, write_result
+from launcher.stage.watch import RunEvents
 
 def finish(
     run_dir: Path, job_id: str, state: commands.JobState | None, interrupted: str | None, events: RunEvents, *, lost: str | None = None

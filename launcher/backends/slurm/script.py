@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from launcher.backends.slurm.commands import Partition, time_limit
-from launcher.control.planning import NodeTarget
 from launcher.errors import PlanError
+from launcher.protocol import ENV_SLURM_INSIDE
 from launcher.runtime.devices import GpuInfo, NodeInventory
+from launcher.stage.plan import NodeTarget
 
 if TYPE_CHECKING:
-    from launcher.control.planning import NodeSlot
     from launcher.spec.model import LoadedJob
+    from launcher.stage.plan import NodeSlot
 
-ENV_INSIDE = "GPULAUNCH_SLURM_INSIDE"  # set by the sbatch script: the launcher runs inside its job
 SUBMITTED_MODULE = "launcher.control.submitted"
 SCRIPT_FILE = "job.sbatch"
 SPEC_FILE = "slurm-spec.yaml"  # the effective spec the job runs, secrets included: readable by the user only
@@ -46,10 +46,18 @@ class Allocation:
         return f"{self.nodes} node(s) x {self.cpus_per_task} CPU(s){gpus} in partition {self.partition}, time limit {self.time}"
 
 
-def allocation_for(job: LoadedJob, partition: Partition) -> Allocation:
+def allocation_for(job: LoadedJob, partition: Partition, *, checked: bool = True) -> Allocation:
     """The allocation the spec asks for, or a PlanError (exit 2) saying what the partition has
-    when it can never hold it (a job that would pend forever is never submitted)."""
+    when it can never hold it (a job that would pend forever is never submitted). ``checked``
+    False: the partition is not known (a dry run with no controller to ask); the spec alone
+    decides, ``auto`` counts as one GPU or CPU per node."""
     spec, res = job.spec, job.spec.resources
+    if not checked:
+        gpus = 0 if res.device == "cpu" else (res.gpus_per_node if isinstance(res.gpus_per_node, int) else 1)
+        ranks = gpus or (res.cpu_workers if isinstance(res.cpu_workers, int) else 1)
+        stages = len(spec.world_sizes or (1,))
+        limit = spec.slurm.time or time_limit(stages * (spec.timeouts.rendezvous_s + spec.timeouts.run_s) + MARGIN_S)
+        return Allocation(partition.name, res.nodes, gpus, spec.slurm.cpus_per_task or ranks, limit)
     fewest_gpus = min((n.gpus for n in partition.nodes), default=0)
     if res.device == "cpu":
         gpus = 0
@@ -135,7 +143,7 @@ def sbatch_script(job: LoadedJob, alloc: Allocation, run_dir: Path, *, python: s
             "",
             "# The launcher again, inside the allocation: one srun step per node, each a torchrun agent",
             "# with a static rendezvous on the first node; results and logs go to the run directory.",
-            f"export {ENV_INSIDE}=1",
+            f"export {ENV_SLURM_INSIDE}=1",
             body,
             "",
         ]

@@ -1,0 +1,148 @@
+"""What the run loop knows of a stage's ranks, built from their events alone.
+
+Fed every event the stage's channel delivers (``launcher.stage.events``); asked for the errors so
+far (fail fast), the live progress (console, ``/metrics``, stragglers) and, at the end, every
+rank's report: its own, or for a rank that wrote none, one saying it was stopped (with the phases
+its beacons showed) or lost with its host. Never reads a file.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Iterable
+
+from launcher.masking import redact_document
+from launcher.protocol import RankError, RankProgress, RankReport, RankStatus
+from launcher.records import RankExit
+from launcher.stage.events import RankBeacon, RankExited, RankReported, RanksLost, StageEvent
+from launcher.stage.plan import StagePlan
+from launcher.stage.watch import RankLive, StageProgress, count_phases
+
+# A beacon's phase, and the report's stamp that its start marks: a rank that reports "rendezvous"
+# has imported its code, "pg_init" has joined the group, "running" has it initialised. A script
+# goes from "importing" straight to "running" (it joins the group inside its own run).
+_PHASE_STAMPS = (("rendezvous", "imported"), ("pg_init", "joined"), ("running", "pg_ready"))
+_SCRIPT_STAMPS = (("running", "imported"),)
+_PHASE_ORDER = ("spawning", "starting", "importing", "rendezvous", "pg_init", "running", "finished", "failed")
+_FINAL = (RankStatus.OK, RankStatus.FAILED)
+
+
+class StageState:
+    def __init__(self, plan: StagePlan, started_at: float, restarts: int = 0) -> None:
+        self.plan = plan
+        self.started_at = started_at
+        self.restarts = restarts
+        self.beacons: dict[int, RankProgress] = {}
+        self.received: dict[int, float] = {}  # rank -> when its latest beacon arrived here
+        self.hosts: dict[int, str] = {}  # rank -> host, where an event said (a scheduler placed it)
+        self.reports: dict[int, RankReport] = {}
+        self.exits: list[RankExit] = []
+        self._stamps: dict[int, dict[str, float]] = {}
+
+    def apply(self, events: Iterable[StageEvent]) -> None:
+        for event in events:
+            if isinstance(event, RankBeacon):
+                self._beacon(event)
+            elif isinstance(event, RankReported):
+                self._report(event.report)
+            elif isinstance(event, RankExited):
+                self.exits.append(event.exit)
+            elif isinstance(event, RanksLost):
+                self._lost(event)
+
+    def _beacon(self, event: RankBeacon) -> None:
+        old = self.beacons.get(event.rank)
+        if old is not None and old.t is not None and event.beacon.t is not None and event.beacon.t < old.t:
+            return  # an older beacon, late (delivered twice: live, and again at the end)
+        self.beacons[event.rank] = event.beacon
+        self.received[event.rank] = event.received
+        if event.host:
+            self.hosts[event.rank] = event.host
+        self._stamp(event.rank, event.beacon)
+
+    def _stamp(self, rank: int, beacon: RankProgress) -> None:
+        """The report stamps the beacon's phase implies, at the beacon's own time (first seen)."""
+        if beacon.t is None or beacon.phase not in _PHASE_ORDER:
+            return
+        stamps = self._stamps.setdefault(rank, {})
+        if "started" not in stamps:
+            if beacon.phase not in ("starting", "importing"):
+                return  # first seen later in its life: earlier phases cannot be dated
+            stamps["started"] = stamps["spawned"] = beacon.t
+        table = _SCRIPT_STAMPS if self.plan.script_mode else _PHASE_STAMPS
+        for phase, stamp in table:
+            if _PHASE_ORDER.index(beacon.phase) >= _PHASE_ORDER.index(phase):
+                stamps.setdefault(stamp, beacon.t)
+
+    def _report(self, report: RankReport) -> None:
+        known = self.reports.get(report.rank)
+        if known is not None and known.status in _FINAL and report.status not in _FINAL:
+            return  # a "stopped" written by a host's wrapper never hides what the rank said itself
+        self.reports[report.rank] = report
+
+    def _lost(self, event: RanksLost) -> None:
+        for rank in event.ranks:
+            known = self.reports.get(rank)
+            if known is not None and known.status in _FINAL:
+                continue  # it finished (or failed on its own) before its host went
+            slot = self._slot(rank)
+            beacon = self.beacons.get(rank)
+            at = event.at if event.at is not None else (beacon.t if beacon and beacon.t is not None else time.time())
+            self.reports[rank] = RankReport(
+                rank=rank, local_rank=slot.local_rank, node_rank=slot.node_rank, world_size=self.plan.world_size,
+                host=event.host, device=slot.device, status=RankStatus.FAILED, phases=dict(self._stamps.get(rank, {})),
+                error=RankError(event.error_type, event.message, event.traceback, at), last_phase=beacon.phase if beacon else None,
+            )  # fmt: skip
+
+    def _slot(self, rank: int):  # noqa: ANN202 - a RankSlot of the current plan
+        return next(s for s in self.plan.ranks if s.rank == rank)
+
+    # --- what the run loop asks -------------------------------------------------------------------
+
+    def errors(self) -> list[RankError]:
+        """The errors of the ranks that have reported a failure so far."""
+        return [r.error for r in self.reports.values() if r.status == RankStatus.FAILED and r.error is not None]
+
+    def rank_exits(self) -> tuple[RankExit, ...]:
+        """The ranks that failed on their own first; those their agent stopped, after."""
+        return tuple(sorted(self.exits, key=lambda e: e.collateral))
+
+    def host_of(self, rank: int) -> str:
+        return self.hosts.get(rank) or self._slot(rank).host
+
+    def progress(self, now: float | None = None) -> StageProgress:
+        ranks = []
+        for slot in self.plan.ranks:
+            beacon = self.beacons.get(slot.rank) or RankProgress()
+            ranks.append(RankLive(slot.rank, self.host_of(slot.rank), beacon.phase, beacon.steps, beacon.t, beacon.work_s,
+                                  work_mad_s=beacon.work_mad_s, work_n=beacon.work_n))
+        live = tuple(ranks)
+        elapsed = (now or time.time()) - self.started_at
+        return StageProgress(self.plan.world_size, elapsed, live, self.restarts, count_phases(live))
+
+    def final_reports(self, secrets: tuple[str, ...] = ()) -> list[RankReport]:
+        """Every rank's report, secrets masked; a rank that wrote none is ``stopped``, with the
+        phase its last beacon showed and the phases its beacons dated."""
+        out = []
+        for slot in self.plan.ranks:
+            report = self.reports.get(slot.rank)
+            if report is None:
+                beacon = self.beacons.get(slot.rank) or RankProgress()
+                report = RankReport(
+                    rank=slot.rank, local_rank=slot.local_rank, node_rank=slot.node_rank, world_size=self.plan.world_size,
+                    host=self.host_of(slot.rank), device=slot.device, status=RankStatus.STOPPED,
+                    phases=dict(self._stamps.get(slot.rank, {})), last_phase=beacon.phase,
+                )  # fmt: skip
+            elif report.status == RankStatus.STOPPED and not report.phases and self._stamps.get(slot.rank):
+                report = replace(report, phases=dict(self._stamps[slot.rank]))
+            out.append(_masked(report, secrets))
+        return out
+
+
+def _masked(report: RankReport, secrets: tuple[str, ...]) -> RankReport:
+    if not secrets:
+        return report
+    data = report.to_dict()
+    masked = redact_document(data, secrets)
+    return report if masked is data else RankReport.from_dict(masked)

@@ -1,0 +1,191 @@
+"""The two seams every way of running a job plugs into.
+
+- A **stage engine** starts one stage from its ``StagePlan`` and returns a ``StageHandle``: its
+  rank events (beacons, reports, exits, lost hosts; ``launcher.stage.events``), poll, stop, a
+  signal to every rank, collect; plus the printable ``LaunchRequest`` for ``--dry-run``. The run
+  loop drives the handle and decides the stage's fate; the engine only reports. Engines: torchrun
+  on this machine or over SSH, torchrun inside a Slurm allocation (srun), Ray actors.
+- A **submitter** hands a whole run to a scheduler, whose allocation runs the launcher again, and
+  follows it over the remote-run wire (``launcher.stage.wire``): submit, follow, status, logs,
+  stop, the final result. Submitters: Ray Jobs, Slurm batch.
+
+A new engine is one module with a ``StageEngine`` subclass and one ``launcher.backends.register``
+call (see README, "Adding an engine"). Neither seam imports the control side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Mapping
+
+from launcher.stage.events import StageEvent
+
+if TYPE_CHECKING:
+    from launcher.results.store import RunResult
+    from launcher.spec.model import LoadedJob
+    from launcher.stage.logrouting import LogRouter
+    from launcher.stage.plan import NodeTarget, StagePlan
+    from launcher.stage.watch import RunEvents
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What an engine or submitter would start for one stage, printable: ``--dry-run`` shows exactly this."""
+
+    backend: str
+    commands: tuple[str, ...]  # the commands, scripts or actors, as a user could run or read them
+    notes: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        return [*self.commands, *(f"({note})" for note in self.notes)]
+
+
+@dataclass(frozen=True)
+class HandleStatus:
+    """What the process layer says of a stage: still running, or ended and how."""
+
+    done: bool
+    ok: bool = False
+    detail: str = ""  # why it ended badly where no rank's report says (an agent's exit, a lost host)
+    # the agent could not bind the rendezvous port another process took first: retry on another
+    rendezvous_port_in_use: bool = False
+
+
+class StageHandle(ABC):
+    """One running stage. Its channel puts the ranks' events on ``logs.events``; the run loop
+    takes them with ``take_events`` and never reads a rank's files itself."""
+
+    def __init__(self, plan: StagePlan, logs: LogRouter) -> None:
+        self.plan = plan  # an engine that places ranks itself replaces it with the placed plan
+        self.logs = logs
+
+    def emit(self, *events: StageEvent) -> None:
+        self.logs.emit(*events)
+
+    def take_events(self, timeout_s: float = 0.0) -> list[StageEvent]:
+        """The events that arrived since the last call, waiting up to ``timeout_s`` for one."""
+        return self.logs.events.take(timeout_s)
+
+    @abstractmethod
+    def poll(self) -> HandleStatus:
+        """Non-blocking: has the group ended, and how. Before it says ``done``, the events of
+        everything that ended are on the queue (an agent's last lines have been routed)."""
+
+    @abstractmethod
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Tear everything down (gracefully, then by force); idempotent; returns when all is gone."""
+
+    def signal_ranks(self, signum: int) -> None:
+        """Send ``signum`` to every live rank, on every host the engine reaches (SIGUSR1: each
+        rank dumps its stacks into its log, on a hang)."""
+
+    def collect(self) -> None:
+        """After ``stop``: bring the stage's files back where they stayed on other hosts, and
+        emit any report the live channel did not deliver (a stream cut short)."""
+
+
+class StageEngine(ABC):
+    """Turns stage plans into running stages. One instance per run."""
+
+    name: ClassVar[str] = "base"
+
+    def session(self, job: LoadedJob) -> ContextManager[None]:
+        """Resources that live for a whole run, across its stages and restarts (a Ray runtime).
+        Entered once before the first stage; cleans up on exit."""
+        return contextlib.nullcontext()
+
+    def check_job(self, job: LoadedJob, cluster: str | None) -> None:
+        """Refuse, before anything starts, what this engine cannot run (raise a LauncherError)."""
+
+    @property
+    def plans_on_own_cluster(self) -> bool:
+        """True when the nodes to plan on are the engine's own cluster (a Ray cluster, a Slurm
+        allocation), known only inside ``session``: ``pool_nodes`` says what they are."""
+        return False
+
+    def pool_nodes(self, job: LoadedJob) -> list[NodeTarget]:
+        """The engine's cluster as nodes to plan on; asked inside ``session``."""
+        raise NotImplementedError(f"{self.name} plans on this machine or a cluster file")
+
+    @abstractmethod
+    def launch_request(self, plan: StagePlan) -> LaunchRequest:
+        """The engine's own launch request for ``plan``, for ``--dry-run`` (nothing is started)."""
+
+    @abstractmethod
+    def start(self, plan: StagePlan, logs: LogRouter) -> StageHandle:
+        """Start every process of the plan and return without waiting for them (BackendError
+        when it cannot start, after stopping whatever it started)."""
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A submitted run as its scheduler has it (``launch status``)."""
+
+    job_id: str
+    status: str  # the scheduler's own word: RUNNING, SUCCEEDED, PENDING, COMPLETED, ...
+    terminal: bool
+    message: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    entrypoint: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"job_id": self.job_id, "status": self.status, "terminal": self.terminal, "message": self.message,
+                "metadata": dict(self.metadata), "entrypoint": self.entrypoint}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One run to hand to a scheduler: the spec, its plans on what the scheduler would grant (for
+    checks and the dry run; inside the job the launcher plans again on what it got), and where
+    its run directory goes."""
+
+    job: LoadedJob
+    plans: tuple[StagePlan, ...]
+    out: Path
+    run_id: str
+
+
+class Submitter(ABC):
+    """Hands whole runs to a scheduler that runs the launcher inside its allocation."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, address: str | None = None) -> None:
+        self.address = address  # where the scheduler is, for those that need one (a Ray dashboard)
+
+    @classmethod
+    @abstractmethod
+    def claims(cls, job_id: str, address: str | None) -> bool:
+        """Whether ``job_id`` (as ``launch status|logs|stop`` got it) is one of this scheduler's."""
+
+    def check_job(self, job: LoadedJob) -> None:
+        """Refuse what this scheduler can never run, before anything is submitted (LauncherError)."""
+
+    def target_nodes(self, job: LoadedJob) -> list[NodeTarget] | None:
+        """The nodes the scheduler would grant, to plan on before submitting; None when it
+        cannot say (the plan is made inside the job, on what it got)."""
+        return None
+
+    @abstractmethod
+    def dry_run(self, submission: Submission) -> tuple[list[LaunchRequest], list[str]]:
+        """What would be submitted (one request per plan, or one for the whole run) and notes."""
+
+    @abstractmethod
+    def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
+        """Submit, follow the run to its end over the remote-run wire (or return once submitted,
+        with ``detach``) and return its result, with the exit code a run from here would have."""
+
+    @abstractmethod
+    def status(self, job_id: str) -> JobInfo:
+        """The job's state (LauncherError with exit 2 for an unknown id)."""
+
+    @abstractmethod
+    def logs(self, job_id: str, *, follow: bool, echo: Callable[[str, str], None]) -> None:
+        """The job's output as the run showed it (``host:rank text``); the wire's lines left out."""
+
+    @abstractmethod
+    def stop(self, job_id: str) -> JobInfo:
+        """Stop the job and wait until it has ended; its final state."""
