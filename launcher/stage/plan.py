@@ -194,15 +194,19 @@ class RankPlacement:
 def place_ranks(plan: StagePlan, placements: Sequence[RankPlacement]) -> StagePlan:
     """The plan of the layout a scheduler chose: nodes in the order of their first rank, ranks
     numbered as placed, local ranks and threads per node, and on GPUs each node's granted devices
-    visible with every rank on ``cuda:<its index there>``."""
+    visible with every rank on ``cuda:<its index there>``. A node is named by its hostname, or by
+    its address where two nodes share one (containers, namespaces), so that logs and metrics
+    still tell them apart."""
     by_rank = sorted(placements, key=lambda p: p.rank)
     node_ids = list(dict.fromkeys(p.node_id for p in by_rank))
+    names = _node_names(by_rank)
     nodes, ranks = [], []
     for node_rank, node_id in enumerate(node_ids):
         peers = [p for p in by_rank if p.node_id == node_id]
         granted = sorted({g for p in peers for g in p.gpu_ids}, key=_gpu_key)
         first = peers[0]
-        target = NodeTarget(first.host, first.address, _placed_inventory(first, granted), python="", ifname=first.ifname)
+        name = names[node_id]
+        target = NodeTarget(name, first.address, _placed_inventory(first, granted), python="", ifname=first.ifname)
         threads = user_threads(plan.spec_env, max(1, min(p.cpus for p in peers) // len(peers)))
         env = node_env(plan.spec_env, target, threads, plan.paths, multi_node=len(node_ids) > 1)
         if plan.device_type == "cuda":
@@ -214,9 +218,17 @@ def place_ranks(plan: StagePlan, placements: Sequence[RankPlacement]) -> StagePl
                 local_rank = granted.index(mine)
             device = f"cuda:{local_rank}" if plan.device_type == "cuda" else "cpu"
             extra = {ENV_GRANTED_GPU: mine} if plan.device_type == "cuda" else {}
-            ranks.append(RankSlot(p.rank, local_rank, node_rank, p.host, device, extra))
+            ranks.append(RankSlot(p.rank, local_rank, node_rank, name, device, extra))
     rendezvous = Rendezvous(by_rank[0].address, by_rank[0].port or plan.rendezvous.port)
     return replace(plan, nodes=tuple(nodes), ranks=tuple(sorted(ranks, key=lambda r: r.rank)), rendezvous=rendezvous)
+
+
+def _node_names(placements: Sequence[RankPlacement]) -> dict[str, str]:
+    """Node id -> its name: the hostname, unless another node has the same one (then its address)."""
+    hosts: dict[str, set[str]] = {}
+    for p in placements:
+        hosts.setdefault(p.host, set()).add(p.node_id)
+    return {p.node_id: p.host if len(hosts[p.host]) == 1 else p.address for p in placements}
 
 
 def _placed_inventory(placement: RankPlacement, granted: Sequence[str]) -> NodeInventory:

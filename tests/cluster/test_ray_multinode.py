@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -176,3 +177,73 @@ def test_launch_with_address_runs_across_both_nodes(ray_two_nodes, tmp_path):
     _need_ray_backend("launcher.backends.ray_jobs")
     cluster, token, address = ray_two_nodes
     _assert_spread(_ray_job(cluster, tmp_path, token, "--address", address), tmp_path)
+
+
+STEPPER = '''
+import time
+
+
+def run(ctx):
+    """A step every 50 ms for params.seconds."""
+    end, n = time.monotonic() + float(ctx.param("seconds")), 0
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        ctx.metrics.step()
+        n += 1
+    return {"steps": n}
+'''
+
+
+def test_ranks_on_the_worker_node_are_live_on_the_submitting_console_and_endpoint(ray_two_nodes, tmp_path):
+    """`launch --address` from the launching host: the rank on the worker node (its beacons on
+    that node, which the launcher inside the job reads through Ray itself) is live on this
+    console's progress line and on this launch's own /metrics, over the Ray job's log."""
+    from tests.cluster.terminal import TerminalRun
+
+    _need_ray_backend("launcher.backends.ray_jobs")
+    cluster, token, address = ray_two_nodes
+    h1, h2 = cluster.hosts[:2]
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "stepper_job.py").write_text(STEPPER)
+    (job / "stepper.yaml").write_text(
+        "name: stepper\nentrypoint: stepper_job:run\nparams: {seconds: 12}\nbackend: ray\n"
+        "resources: {cpu_workers: 2}\nray: {placement: strict_spread}\ntimeouts: {rendezvous_s: 60, run_s: 300}\n"
+    )
+    env = {k: v for k, v in _ray_env(token).items() if k.startswith("RAY_")}
+    env["PYTHONPATH"] = f"{REPO}:{job}"  # the spec's entrypoint is checked here before submitting
+    run = TerminalRun(cluster, str(job / "stepper.yaml"), "--address", address, "--out", str(tmp_path / "runs"), env=env)
+    try:
+        seen: list[dict] = []
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and run.proc.poll() is None:
+            steps = run.scrape().get("gpulaunch_steps_total", {}) if run.metrics_url() else {}
+            if len(steps) == 2 and all(v > 0 for v in steps.values()):
+                seen.append(steps)
+                if len(seen) == 2:
+                    break
+                time.sleep(2.0)
+            else:
+                time.sleep(0.5)
+        live_text = run.text
+        code = run.wait(180)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.terminate()
+            run.proc.wait(60)
+    assert code == 0, run.text[-3000:]
+    assert len(seen) == 2, run.text[-3000:]
+    first, second = seen
+    # one rank on each node, named by the node's address (the namespaces share one hostname)
+    assert sorted(node for _, node in first) == sorted([h1.address, h2.address]), first
+    worker = next(key for key in first if key[1] == h2.address)
+    assert second[worker] > first[worker], (first, second)  # the worker node's rank, stepping, seen here
+    assert re.search(r"world 2 · 2 running · steps \d+", live_text), live_text[-3000:]
+    result = _result_of(tmp_path / "runs")
+    assert sorted(r["host"] for r in result["ranks"]) == sorted([h1.address, h2.address])
+    print(f"worker-node rank {worker[0]} live on the submitting side: steps {first[worker]:.0f} -> {second[worker]:.0f}")  # noqa: T201
+
+
+def _result_of(out: Path) -> dict:
+    (result_file,) = out.rglob("result.json")
+    return json.loads(result_file.read_text())

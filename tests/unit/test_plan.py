@@ -189,6 +189,19 @@ def test_a_placed_stage_is_laid_out_by_the_planner_from_where_the_scheduler_put_
     assert placed.worker_for(placed.nodes[1]).threads_per_worker == 6
 
 
+def test_placed_nodes_that_share_a_hostname_are_named_by_their_addresses(tmp_path):
+    """Containers or namespaces on one machine: two Ray nodes, one hostname. Logs, reports and
+    /metrics must still tell their ranks apart."""
+    (pool_plan,) = plans(tmp_path, "resources: {cpu_workers: 3}\n", [node("ray", cpus=8)])
+    placed = place_ranks(
+        pool_plan,
+        [RankPlacement(0, "n-a", "box", "10.1.0.1", cpus=4), RankPlacement(1, "n-b", "box", "10.1.0.2", cpus=4),
+         RankPlacement(2, "n-c", "other", "10.1.0.3", cpus=4)],
+    )  # fmt: skip
+    assert [r.host for r in placed.ranks] == ["10.1.0.1", "10.1.0.2", "other"]
+    assert [n.env["GPULAUNCH_HOST"] for n in placed.nodes] == ["10.1.0.1", "10.1.0.2", "other"]
+
+
 def test_placed_gpus_are_each_nodes_granted_devices_with_every_rank_on_its_own(tmp_path):
     (pool_plan,) = plans(tmp_path, "", [node("g", "nvidia_smi_h100x4.csv")])
     placed = place_ranks(
