@@ -69,8 +69,10 @@ def set_process_name(name: str) -> None:
         return
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON so that readers see either the old file or the whole new one, never a part."""
+def write_json_atomic(path: str | Path, data: Any, *, durable: bool = True) -> None:
+    """Write JSON so that readers see either the old file or the whole new one, never a part.
+    ``durable``: on disk before this returns (fsync); a file rewritten twice a second that only
+    says how far a rank got (its beacon) needs no more than the atomic rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -78,7 +80,8 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=2, default=str)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

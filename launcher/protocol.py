@@ -44,6 +44,12 @@ LOG_PREFIX_SEPARATOR = "| "  # rank lines arrive as "host:rank| text"
 PORT_IN_USE_EXIT = 98
 
 
+def rank_device(device_type: str, local_rank: int) -> str:
+    """The device a rank computes on: ``cuda:<local_rank>`` (the node's GPU at its local rank's
+    index, of those the rank sees), or ``cpu``. The one rule: the plan names it, the rank takes it."""
+    return f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
+
+
 class RankStatus(str, enum.Enum):
     """How one rank ended. ``stopped``: it wrote no report (killed, never started, torn down)."""
 

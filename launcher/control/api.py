@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
 import yaml
 
 from launcher import backends
-from launcher.control.planning import check_node_split, device_notes, make_plans, plan_stage, stage_sizes
+from launcher.control.planning import RunSizing, check_node_split, make_plans, plan_stage, size_run
 from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.masking import mask_env
@@ -122,10 +122,9 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
         config = load_cluster(path)
         check_node_split(job)
         return f"{runner.name}: {len(config.hosts)} host(s) in {cluster or job.spec.cluster}, checked over SSH when it runs"
-    nodes = resolve_nodes(job, None)
-    device_type, sizes = stage_sizes(job, nodes)
-    notes = "".join(f"; note: {n}" for n in device_notes(job, nodes, device_type))
-    return f"{runner.name}: world sizes {sizes} on {device_type} here{notes}"
+    sizing = size_run(job, resolve_nodes(job, None))
+    notes = "".join(f"; note: {n}" for n in sizing.notes)
+    return f"{runner.name}: world sizes {list(sizing.world_sizes)} on {sizing.device_type} here{notes}"
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
@@ -155,15 +154,14 @@ def dry_run(
     run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
     if isinstance(runner, Submitter):
         nodes = runner.target_nodes(job, dry_run=True)
-        plans = make_plans(job, nodes, run_dir=run_dir, master_port=0, backend=runner.name) if nodes else []
+        sizing = size_run(job, nodes) if nodes else None
+        plans = make_plans(job, nodes, sizing, run_dir=run_dir, master_port=0, backend=runner.name) if nodes and sizing else []
         requests, notes = runner.dry_run(Submission(job, tuple(plans), Path(out), "<run-id>"))
-        notes = [*(device_notes(job, nodes, plans[0].device_type) if plans and nodes else []), *notes]
-        return DryRun(job, tuple(plans), tuple(requests), tuple(notes))
+        return DryRun(job, tuple(plans), tuple(requests), (*(sizing.notes if sizing else ()), *notes))
     nodes = resolve_nodes(job, cluster)
-    plans = make_plans(job, nodes, run_dir=run_dir, master_port=rendezvous_port(nodes), backend=runner.name)
-    requests = tuple(runner.launch_request(plan) for plan in plans)
-    notes = tuple(device_notes(job, nodes, plans[0].device_type)) if plans else ()
-    return DryRun(job, tuple(plans), requests, notes)
+    sizing = size_run(job, nodes)
+    plans = make_plans(job, nodes, sizing, run_dir=run_dir, master_port=rendezvous_port(nodes), backend=runner.name)
+    return DryRun(job, tuple(plans), tuple(runner.launch_request(plan) for plan in plans), sizing.notes)
 
 
 def _stop_on_signals(stop: StopRequest) -> contextlib.AbstractContextManager[None]:
@@ -213,9 +211,10 @@ def run_job(
     if detach:
         raise LauncherError(f"--detach: the {runner.name} backend runs the job from here; only slurm submits it", exit_code=EXIT_BAD_INPUT)
     nodes: list[NodeTarget] | None = None
+    sizing: RunSizing | None = None
     if not runner.plans_on_own_cluster:
         nodes = resolve_nodes(loaded, cluster)
-        stage_sizes(loaded, nodes)  # impossible requests fail here, before anything is spawned
+        sizing = size_run(loaded, nodes)  # impossible requests fail here, before anything is spawned
     run_id = Path(run_dir).name if run_dir else new_run_id()
     run_dir = _make_run_dir(loaded, Path(run_dir) if run_dir else Path(out).resolve() / loaded.spec.name / run_id, out)
     started = time.time()
@@ -223,7 +222,9 @@ def run_job(
         with runner.session(loaded):
             if nodes is None:  # a Ray cluster, a Slurm allocation: plan on what it has, known once connected
                 nodes = runner.pool_nodes(loaded)
-            outcomes, cut_short = _run_stages(loaded, runner, nodes, run_dir, stop, watched)
+                sizing = size_run(loaded, nodes)
+            assert sizing is not None
+            outcomes, cut_short = _run_stages(loaded, runner, nodes, sizing, run_dir, stop, watched)
         return finish_run(loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short)
 
 
@@ -232,7 +233,8 @@ def _submit(loaded: LoadedJob, runner: Submitter, *, out: Path, events: RunEvent
     submitted), hand the run over, and follow it, serving /metrics here from what the wire brings."""
     run_id = new_run_id()
     nodes = runner.target_nodes(loaded)
-    plans = make_plans(loaded, nodes, run_dir=out.resolve() / loaded.spec.name / run_id, master_port=0, backend=runner.name) if nodes else []
+    run_dir = out.resolve() / loaded.spec.name / run_id
+    plans = make_plans(loaded, nodes, size_run(loaded, nodes), run_dir=run_dir, master_port=0, backend=runner.name) if nodes else []
     submission = Submission(loaded, tuple(plans), out, run_id)
     with _serving_metrics(loaded, run_id, runner.name, events, metrics and not detach) as watched:
         return runner.submit(submission, events=watched, stop=stop, detach=detach)
@@ -279,17 +281,18 @@ def _run_stages(
     loaded: LoadedJob,
     engine: StageEngine,
     nodes: list[NodeTarget],
+    sizing: RunSizing,
     run_dir: Path,
     stop: StopRequest,
     events: RunEvents,
 ) -> tuple[list[StageOutcome], Failure | None]:
     """Every stage in turn until one does not succeed. The failure, when a stage could not start
     or a stop came between stages (the stages before it are kept)."""
-    device_type, sizes = stage_sizes(loaded, nodes)
-    for note in device_notes(loaded, nodes, device_type):
+    device_type = sizing.device_type
+    for note in sizing.notes:
         events.note(note)
     outcomes: list[StageOutcome] = []
-    for size in sizes:
+    for size in sizing.world_sizes:
         if stop:
             return outcomes, Failure(FailureReason.INTERRUPTED, f"stopped by {stop.reason} before the stage of world size {size}")
         events.stage_started(loaded.spec.name, size, device_type, engine.name)

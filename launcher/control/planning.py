@@ -11,11 +11,12 @@ exactly what a run would do, and impossible requests fail here, before anything 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from launcher.errors import PlanError
-from launcher.protocol import StagePaths, WorkerConfig
+from launcher.protocol import StagePaths, WorkerConfig, rank_device
 from launcher.records import StragglerPolicy
 from launcher.stage.plan import NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
 
@@ -38,11 +39,11 @@ def choose_device(job: LoadedJob, nodes: Sequence[NodeTarget]) -> str:
     return "cuda"
 
 
-def device_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str) -> list[str]:
+def device_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str, per_node: int) -> list[str]:
     """What the plan decided that the spec did not say outright. A spec written for a GPU box
     (``gpus_per_node: 8``) still runs on a laptop's CPU under ``device: auto``, but says so."""
     res = job.spec.resources
-    notes = slot_notes(job, nodes, device_type)
+    notes = slot_notes(job, per_node * len(nodes), device_type)
     if device_type != "cpu" or res.device != "auto" or res.gpus_per_node in ("auto", 0):
         return notes
     bare = next(n.name for n in nodes if n.inventory.gpu_count == 0)
@@ -53,13 +54,12 @@ def device_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str) 
     ]
 
 
-def slot_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str) -> list[str]:
+def slot_notes(job: LoadedJob, capacity: int, device_type: str) -> list[str]:
     """When ``scaling.workers`` leaves worker slots unused (``--set resources.cpu_workers=4`` on a
     job that scales over [1, 2]), say which setting decides, instead of changing nothing silently."""
     sizes = job.spec.world_sizes
     if not sizes:
         return []
-    capacity = procs_per_node(job, nodes, device_type) * len(nodes)
     if max(sizes) >= capacity:
         return []
     what = "resources.cpu_workers" if device_type == "cpu" else "the GPUs"
@@ -116,8 +116,19 @@ def world_sizes(job: LoadedJob, capacity: int, node_count: int) -> list[int]:
     return sizes
 
 
-def stage_sizes(job: LoadedJob, nodes: Sequence[NodeTarget]) -> tuple[str, list[int]]:
-    """The device type and the world size of every stage; raises PlanError for impossible asks."""
+@dataclass(frozen=True)
+class RunSizing:
+    """How big a run's stages are, decided once from the spec and the nodes: the device type, the
+    ranks a node runs at most, every stage's world size, and what the spec did not say outright."""
+
+    device_type: str  # "cuda" | "cpu"
+    per_node: int  # GPUs (or CPU workers) per node
+    world_sizes: tuple[int, ...]
+    notes: tuple[str, ...] = ()
+
+
+def size_run(job: LoadedJob, nodes: Sequence[NodeTarget]) -> RunSizing:
+    """The run's sizing; raises PlanError for impossible asks (before anything is spawned)."""
     spec = job.spec
     if spec.resources.nodes != len(nodes):
         raise PlanError(
@@ -126,20 +137,20 @@ def stage_sizes(job: LoadedJob, nodes: Sequence[NodeTarget]) -> tuple[str, list[
         )
     device_type = choose_device(job, nodes)
     per_node = procs_per_node(job, nodes, device_type)
-    return device_type, world_sizes(job, per_node * len(nodes), len(nodes))
+    sizes = world_sizes(job, per_node * len(nodes), len(nodes))
+    return RunSizing(device_type, per_node, tuple(sizes), tuple(device_notes(job, nodes, device_type, per_node)))
 
 
 # --- one stage -------------------------------------------------------------------------------------
 
 
 def make_plans(
-    job: LoadedJob, nodes: Sequence[NodeTarget], *, run_dir: Path, master_port: int, backend: str | None = None
+    job: LoadedJob, nodes: Sequence[NodeTarget], sizing: RunSizing, *, run_dir: Path, master_port: int, backend: str | None = None
 ) -> list[StagePlan]:
     """One StagePlan per world size (one in all unless ``scaling.workers`` lists several)."""
-    device_type, sizes = stage_sizes(job, nodes)
     return [
-        plan_stage(job, nodes, size, device_type, run_dir=run_dir, master_port=master_port, backend=backend)
-        for size in sizes
+        plan_stage(job, nodes, size, sizing.device_type, run_dir=run_dir, master_port=master_port, backend=backend)
+        for size in sizing.world_sizes
     ]
 
 
@@ -187,8 +198,7 @@ def _rank_slots(nodes: Sequence[NodeSlot], device_type: str) -> tuple[RankSlot, 
     slots, rank = [], 0
     for node in nodes:
         for local_rank in range(node.nproc):
-            device = f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
-            slots.append(RankSlot(rank, local_rank, node.node_rank, node.host, device))
+            slots.append(RankSlot(rank, local_rank, node.node_rank, node.host, rank_device(device_type, local_rank)))
             rank += 1
     return tuple(slots)
 

@@ -13,6 +13,7 @@ import shutil
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,8 +30,9 @@ from launcher.stage.plan import StagePlan
 from launcher.stage.watch import RunEvents
 
 POLL_S = 0.05
-# each turn of the watch lasts at least this long: events that arrive together are taken together
-MIN_TURN_S = 0.01
+# each turn of the watch lasts at least this long: the events of a thousand ranks, arriving all
+# the time, are taken a batch at a time (a failure is still seen within a turn)
+MIN_TURN_S = 0.05
 PROGRESS_EVERY_S = 0.5
 # After the first rank's error report, how long the process layer may take to end by itself
 # (an agent notices its dead worker and reports its exit code or signal) before we stop it all.
@@ -191,18 +193,23 @@ def _store_beacons(plan: StagePlan, state: StageState) -> None:
         path = plan.paths.progress(rank)
         known = RankProgress.from_dict(read_json(path))
         if known.t is None or (beacon.t is not None and beacon.t > known.t):
-            write_json_atomic(path, beacon.to_dict())
+            write_json_atomic(path, beacon.to_dict(), durable=False)
 
 
 def _store_reports(plan: StagePlan, reports: list[RankReport]) -> list[RankReport]:
     """Every rank's report in the launching machine's stage directory (masked; a rank on this
     machine wrote its own there already, rewritten only where masking changed it), and each
-    report's log where that file exists (result.json names only files that exist)."""
-    for report in reports:
+    report's log where that file exists (result.json names only files that exist). Written a few
+    at a time: a thousand durable writes one after the other hold a stage's end up for a second."""
+
+    def store(report: RankReport) -> None:
         path = plan.paths.report(report.rank)
         data = report.to_dict()
         if read_json(path) != data:
             write_json_atomic(path, data)
         log = plan.paths.log(report.rank)
         report.log = str(log) if log.exists() else None
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(reports)))) as pool:
+        list(pool.map(store, reports))
     return reports

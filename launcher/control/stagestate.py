@@ -16,7 +16,7 @@ from launcher.masking import redact_document
 from launcher.protocol import RankError, RankProgress, RankReport, RankStatus
 from launcher.records import RankExit
 from launcher.stage.events import RankBeacon, RankExited, RankReported, RanksLost, StageEvent
-from launcher.stage.plan import StagePlan
+from launcher.stage.plan import RankSlot, StagePlan
 from launcher.stage.watch import RankLive, StageProgress, count_phases
 
 # A beacon's phase, and the report's stamp that its start marks: a rank that reports "rendezvous"
@@ -30,15 +30,27 @@ _FINAL = (RankStatus.OK, RankStatus.FAILED)
 
 class StageState:
     def __init__(self, plan: StagePlan, started_at: float, restarts: int = 0) -> None:
-        self.plan = plan
+        self._plan = plan
+        self._slots = {s.rank: s for s in plan.ranks}
         self.started_at = started_at
         self.restarts = restarts
         self.beacons: dict[int, RankProgress] = {}
         self.received: dict[int, float] = {}  # rank -> when its latest beacon arrived here
         self.hosts: dict[int, str] = {}  # rank -> host, where an event said (a scheduler placed it)
         self.reports: dict[int, RankReport] = {}
+        self._errors: dict[int, RankError] = {}  # the failed reports' errors, kept as they come
         self.exits: list[RankExit] = []
         self._stamps: dict[int, dict[str, float]] = {}
+
+    @property
+    def plan(self) -> StagePlan:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: StagePlan) -> None:
+        """The engine's plan now (one that placed its ranks itself has replaced it)."""
+        if plan is not self._plan:
+            self._plan, self._slots = plan, {s.rank: s for s in plan.ranks}
 
     def apply(self, events: Iterable[StageEvent]) -> None:
         for event in events:
@@ -59,7 +71,8 @@ class StageState:
         self.received[event.rank] = event.received
         if event.host:
             self.hosts[event.rank] = event.host
-        self._stamp(event.rank, event.beacon)
+        if old is None or old.phase != event.beacon.phase:  # a phase's stamp is its first beacon's time
+            self._stamp(event.rank, event.beacon)
 
     def _stamp(self, rank: int, beacon: RankProgress) -> None:
         """The report stamps the beacon's phase implies, at the beacon's own time (first seen)."""
@@ -80,6 +93,10 @@ class StageState:
         if known is not None and known.status in _FINAL and report.status not in _FINAL:
             return  # a "stopped" written by a host's wrapper never hides what the rank said itself
         self.reports[report.rank] = report
+        if report.status == RankStatus.FAILED and report.error is not None:
+            self._errors[report.rank] = report.error
+        else:
+            self._errors.pop(report.rank, None)
 
     def _lost(self, event: RanksLost) -> None:
         for rank in event.ranks:
@@ -89,20 +106,20 @@ class StageState:
             slot = self._slot(rank)
             beacon = self.beacons.get(rank)
             at = event.at if event.at is not None else (beacon.t if beacon and beacon.t is not None else time.time())
-            self.reports[rank] = RankReport(
+            self._report(RankReport(
                 rank=rank, local_rank=slot.local_rank, node_rank=slot.node_rank, world_size=self.plan.world_size,
                 host=event.host, device=slot.device, status=RankStatus.FAILED, phases=dict(self._stamps.get(rank, {})),
                 error=RankError(event.error_type, event.message, event.traceback, at), last_phase=beacon.phase if beacon else None,
-            )  # fmt: skip
+            ))  # fmt: skip
 
-    def _slot(self, rank: int):  # noqa: ANN202 - a RankSlot of the current plan
-        return next(s for s in self.plan.ranks if s.rank == rank)
+    def _slot(self, rank: int) -> RankSlot:
+        return self._slots[rank]
 
     # --- what the run loop asks -------------------------------------------------------------------
 
     def errors(self) -> list[RankError]:
         """The errors of the ranks that have reported a failure so far."""
-        return [r.error for r in self.reports.values() if r.status == RankStatus.FAILED and r.error is not None]
+        return list(self._errors.values())
 
     def rank_exits(self) -> tuple[RankExit, ...]:
         """The ranks that failed on their own first; those their agent stopped, after."""

@@ -27,7 +27,7 @@ import ray
 
 from launcher import metric_names as names
 from launcher.procutil import read_json, write_json_atomic
-from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, RankReport, WorkerConfig
+from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, RankReport, WorkerConfig, rank_device
 from launcher.runtime.devices import usable_cpu_count
 
 
@@ -223,7 +223,7 @@ def _mismatch_report(config: WorkerConfig, env: dict[str, str], message: str) ->
         node_rank=int(env.get("GROUP_RANK", "0")),
         world_size=int(env["WORLD_SIZE"]),
         host=env.get(ENV_HOST, socket.gethostname()),
-        device=f"cuda:{env['LOCAL_RANK']}",
+        device=rank_device("cuda", int(env["LOCAL_RANK"])),
         error_type="DeviceMismatch",
         message=message,
         at=time.time(),

@@ -42,6 +42,7 @@ from launcher.protocol import (  # noqa: E402
     StagePaths,
     WorkerConfig,
     is_peer_loss,
+    rank_device,
 )
 
 
@@ -76,7 +77,7 @@ class ProgressBeacon:
                 beacon.update(work_s=round(work_s, 6), work_n=steps)
                 if mad is not None:
                     beacon["work_mad_s"] = round(mad, 6)
-            write_json_atomic(self.path, beacon)
+            write_json_atomic(self.path, beacon, durable=False)
         except Exception:  # noqa: BLE001 - progress is best effort; the report is what counts
             pass
 
@@ -110,7 +111,7 @@ def _new_report(config: WorkerConfig, env: Mapping[str, str], phases: dict[str, 
         node_rank=int(env.get("GROUP_RANK", "0")),
         world_size=int(env["WORLD_SIZE"]),
         host=env.get(ENV_HOST) or socket.gethostname(),
-        device="cpu" if config.device_type == "cpu" else f"cuda:{local_rank}",
+        device=rank_device(config.device_type, local_rank),
         phases=phases,
         hostname=socket.gethostname(),
         pid=os.getpid(),
@@ -277,16 +278,18 @@ def _load_entrypoint(entrypoint: str) -> Callable[[Any], Any]:
 
 
 def _select_device(torch: Any, config: WorkerConfig, local_rank: int) -> Any:
-    if config.device_type != "cuda":
-        return torch.device("cpu")
+    """The rank's device, as the plan named it (``protocol.rank_device``), made current."""
+    device = torch.device(rank_device(config.device_type, local_rank))
+    if device.type != "cuda":
+        return device
     visible = torch.cuda.device_count()
-    if local_rank >= visible:
+    if device.index >= visible:
         raise RuntimeError(
-            f"local rank {local_rank} was given cuda:{local_rank} but this process sees {visible} GPU(s) "
+            f"local rank {local_rank} was given {device} but this process sees {visible} GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         )
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def _rendezvous(dist: Any, config: WorkerConfig) -> tuple[Any, int, int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from launcher.masking import mask_env
-from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_STAGE_DIR, StagePaths, WorkerConfig
+from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_STAGE_DIR, StagePaths, WorkerConfig, rank_device
 from launcher.records import StragglerPolicy
 from launcher.runtime.devices import GpuInfo, NodeInventory
 
@@ -216,7 +216,7 @@ def place_ranks(plan: StagePlan, placements: Sequence[RankPlacement]) -> StagePl
             mine = p.gpu_ids[0] if p.gpu_ids else ""
             if plan.device_type == "cuda" and mine in granted:
                 local_rank = granted.index(mine)
-            device = f"cuda:{local_rank}" if plan.device_type == "cuda" else "cpu"
+            device = rank_device(plan.device_type, local_rank)
             extra = {ENV_GRANTED_GPU: mine} if plan.device_type == "cuda" else {}
             ranks.append(RankSlot(p.rank, local_rank, node_rank, name, device, extra))
     rendezvous = Rendezvous(by_rank[0].address, by_rank[0].port or plan.rendezvous.port)

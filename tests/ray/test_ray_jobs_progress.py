@@ -121,3 +121,49 @@ def test_a_jobs_api_run_shows_live_progress_and_never_its_tagged_lines(
     assert logs.returncode == 0, logs.stderr
     assert "@gpulaunch" not in logs.stdout, logs.stdout[-3000:]
     assert "stepper: world size 2 on cpu (ray)" in logs.stdout and "stepper: rank 0 step" in logs.stdout
+
+
+LOGGER = '''
+import torch
+
+
+def run(ctx):
+    """Logs a loss at every one of params.steps steps: a long series, as a real training run has."""
+    loss = torch.zeros(())
+    for step in range(int(ctx.param("steps"))):
+        loss = loss * 0.999 + 1.0
+        ctx.metrics.log("loss", loss)
+        ctx.metrics.step()
+    return {"steps": int(ctx.param("steps"))}
+'''
+
+
+def test_a_result_over_a_mebibyte_comes_back_whole(head_token: RayHead, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose result.json and rank reports pass 1 MiB (thousands of logged steps) used to
+    succeed on the cluster while ``launch`` failed with a KeyError: only artifacts may stay behind;
+    the run's own record always travels."""
+    import json
+
+    import launcher
+
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    monkeypatch.syspath_prepend(str(job_dir))
+    (job_dir / "logger_job.py").write_text(LOGGER)
+    (job_dir / "logger.yaml").write_text(
+        "name: logger\nentrypoint: logger_job:run\nparams: {steps: 30000}\nbackend: ray\n"
+        "resources: {cpu_workers: 2}\ntimeouts: {rendezvous_s: 60, run_s: 300}\n"
+    )
+    result = launcher.run_job(job_dir / "logger.yaml", address=head_token.address, out=tmp_path / "out", events=launcher.RunEvents(), metrics=False)
+    assert result.status == "succeeded", result.data.get("failure")
+    assert result.path.stat().st_size > 1024**2
+    back = json.loads(result.path.read_text())
+    assert [s["world_size"] for s in back["stages"]] == [2] and len(back["ranks"]) == 2
+    for rank in (0, 1):
+        report = json.loads((result.run_dir / "world2" / "reports" / f"rank{rank}.json").read_text())
+        assert report["metrics"]["steps"] == 30000
+    # what stayed on the cluster, if anything, are artifacts: the run's record all came back
+    listed = json.loads((result.run_dir / "left_on_cluster.json").read_text())["files"] if (result.run_dir / "left_on_cluster.json").exists() else []
+    assert all("/tensorboard/" in f["path"] for f in listed), listed
+    # one id for the run: the Ray job is <job>-<run id>, the run directory <job>/<run id>
+    assert result.data["run_id"] == result.run_dir.name

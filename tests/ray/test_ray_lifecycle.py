@@ -91,6 +91,26 @@ def test_several_nodes_with_address_is_refused_before_submitting(ray_head: RayHe
     assert not any(tmp_path.iterdir())
 
 
+def test_a_dry_run_with_an_address_plans_on_the_clusters_nodes_and_submits_nothing(ray_head: RayHead, tmp_path: Path) -> None:
+    """The cluster has 4 CPUs (this machine may have another count): with ``cpu_workers: auto``
+    the plan is the cluster's, read from its dashboard, and what would be submitted is printed;
+    nothing is. Without ``--backend ray`` the same line plans the same way (an address means a
+    Ray cluster)."""
+    before = {j["submission_id"] for j in _jobs(ray_head)}
+    args = ("jobs/matmul_scaling.yaml", "--dry-run", "--address", ray_head.address, "--out", str(tmp_path), "--set", "resources.cpu_workers=auto")
+    for extra in (("--backend", "ray"), ()):
+        run = launch(*args, *extra, "--set", "scaling=null", env={**ray_head.env, "COLUMNS": "200"})
+        assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+        assert f"$ ray job submit --address {ray_head.address} --submission-id matmul_scaling-<run-id>" in run.stdout, run.stdout
+        assert "placement group matmul_scaling-world4: 4 x {'CPU': 1.0}" in run.stdout and "planned on the cluster's nodes" in run.stdout
+    too_big = launch(*args, "--set", "scaling.workers=[5]", env=ray_head.env)
+    assert too_big.returncode == 2 and "world size 5 requested, but only 4 worker slots exist" in too_big.stderr, too_big.stderr
+    wrong = launch(*args, "--backend", "torchrun", env=ray_head.env)
+    assert wrong.returncode == 2 and "--address: submits to a Ray cluster, but the backend is torchrun" in wrong.stderr, wrong.stderr
+    assert {j["submission_id"] for j in _jobs(ray_head)} == before, "a job was submitted"
+    assert not any(tmp_path.iterdir())
+
+
 # --- runs of a sleeping job on the cluster, ended from outside ---------------------------------------
 
 

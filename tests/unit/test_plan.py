@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from launcher.backends.torchrun import TorchrunEngine, agent_argv
-from launcher.control.planning import make_plans
+from launcher.control.planning import make_plans, size_run
 from launcher.stage.plan import NodeTarget, RankPlacement, place_ranks
 from launcher.errors import PlanError
 from launcher.protocol import WorkerConfig
@@ -35,7 +35,8 @@ def job(tmp_path: Path, extra: str = "") -> object:
 
 
 def plans(tmp_path, extra, nodes):
-    return make_plans(job(tmp_path, extra), nodes, run_dir=tmp_path / "run", master_port=41234)
+    spec = job(tmp_path, extra)
+    return make_plans(spec, nodes, size_run(spec, nodes), run_dir=tmp_path / "run", master_port=41234)
 
 
 def test_gpu_node_gets_one_rank_per_gpu_on_its_own_device(tmp_path):
@@ -127,7 +128,8 @@ def test_a_script_always_gets_a_fresh_interpreter(tmp_path):
     (tmp_path / "train.py").write_text("print('hi')\n")
     path = tmp_path / "s.yaml"
     path.write_text("name: s\nscript: train.py\n")
-    (plan,) = make_plans(load_job(path), [node("laptop", cpus=2)], run_dir=tmp_path / "run", master_port=41234)
+    spec, laptop = load_job(path), [node("laptop", cpus=2)]
+    (plan,) = make_plans(spec, laptop, size_run(spec, laptop), run_dir=tmp_path / "run", master_port=41234)
     assert "--start-method=spawn" in agent_argv(plan, plan.nodes[0])
 
 
@@ -149,16 +151,16 @@ def test_the_timeouts_reach_the_worker(tmp_path):
 
 
 def test_gpus_asked_for_on_a_cpu_only_node_run_on_the_cpu_and_say_so(tmp_path):
-    from launcher.control.planning import device_notes
-
     spec = job(tmp_path, "resources: {gpus_per_node: 4, cpu_workers: 2}\n")
     laptop = [node("laptop", cpus=8)]
-    (plan,) = make_plans(spec, laptop, run_dir=tmp_path / "run", master_port=41234)
+    sizing = size_run(spec, laptop)
+    (plan,) = make_plans(spec, laptop, sizing, run_dir=tmp_path / "run", master_port=41234)
     assert [r.device for r in plan.ranks] == ["cpu", "cpu"]
-    (note,) = device_notes(spec, laptop, "cpu")
+    (note,) = sizing.notes
     assert note.startswith("resources.gpus_per_node is 4, but laptop has no visible GPU: running on the CPU")
-    assert device_notes(job(tmp_path, "resources: {gpus_per_node: auto}\n"), laptop, "cpu") == []
-    assert device_notes(spec, [node("g", "nvidia_smi_h100x4.csv")], "cuda") == []
+    assert size_run(job(tmp_path, "resources: {gpus_per_node: auto}\n"), laptop).notes == ()
+    gpu_box = size_run(spec, [node("g", "nvidia_smi_h100x4.csv")])
+    assert gpu_box.notes == () and (gpu_box.device_type, gpu_box.per_node, gpu_box.world_sizes) == ("cuda", 4, (4,))
 
 
 def test_the_ranks_get_the_resolved_params_the_dry_run_shows(tmp_path):
@@ -223,13 +225,11 @@ def test_world_sizes_that_cannot_split_over_the_nodes_are_refused_from_the_spec_
 
 
 def test_unused_worker_slots_are_named_with_the_setting_that_decides(tmp_path):
-    from launcher.control.planning import device_notes
-
     spec = job(tmp_path, "resources: {cpu_workers: 4}\nscaling: {workers: [1, 2]}\n")
-    (note,) = device_notes(spec, [node("laptop", cpus=8)], "cpu")
+    (note,) = size_run(spec, [node("laptop", cpus=8)]).notes
     assert "resources.cpu_workers give 4 worker slot(s), but scaling.workers [1, 2] decides" in note
     assert "--set scaling.workers=[1,2,4]" in note
-    assert device_notes(job(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [1, 2]}\n"), [node("l", cpus=8)], "cpu") == []
+    assert size_run(job(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [1, 2]}\n"), [node("l", cpus=8)]).notes == ()
 
 
 def test_straggler_settings_reach_the_run_loop_and_the_ranks(tmp_path):

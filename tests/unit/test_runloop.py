@@ -49,6 +49,7 @@ BOTH_RUNNING = Step(beacons={0: "running", 1: "running"})
 @pytest.fixture(autouse=True)
 def fast_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runloop, "POLL_S", 0.001)
+    monkeypatch.setattr(runloop, "MIN_TURN_S", 0.001)
     monkeypatch.setattr(runloop, "PROGRESS_EVERY_S", 0.0)  # a progress event every poll
     monkeypatch.setattr(runloop, "FAILURE_GRACE_S", 0.05)
     monkeypatch.setattr(runloop, "STACK_DUMP_WAIT_S", 0.0)
@@ -450,7 +451,7 @@ def test_run_job_hands_the_callers_stop_request_to_the_run_loop(tmp_path: Path, 
 
     seen: list[StopRequest] = []
 
-    def run_stages(loaded, engine, nodes, run_dir, stop, events):  # noqa: ANN001, ANN202
+    def run_stages(loaded, engine, nodes, sizing, run_dir, stop, events):  # noqa: ANN001, ANN202
         seen.append(stop)
         raise Reached
 

@@ -74,10 +74,12 @@ class RayJobsSubmitter(Submitter):
         from launcher.backends.ray import RayEngine
 
         job = submission.job
-        submit = LaunchRequest("ray", (f"ray job submit --address {check_address(self.address)} --submission-id {job.spec.name}-<run-id> "
-                                       f"--working-dir {job.base_dir} -- python -m {ENTRYPOINT_MODULE} ray {SPEC_FILE} <run-id>",))  # fmt: skip
+        submit = (f"$ ray job submit --address {check_address(self.address)} --submission-id {job.spec.name}-<run-id> "
+                  f"--working-dir {job.base_dir} -- python -m {ENTRYPOINT_MODULE} ray {SPEC_FILE} <run-id>")  # fmt: skip
         engine = RayEngine()
-        requests = [submit, *(engine.launch_request(plan) for plan in submission.plans)]
+        requests = [engine.launch_request(plan) for plan in submission.plans]
+        if requests:  # one request per plan: the submission comes first, with the first stage's
+            requests[0] = LaunchRequest("ray", (submit, "inside the job:", *requests[0].commands), requests[0].notes)
         notes = [f"planned on the cluster's nodes as its dashboard lists them now ({len(submission.plans)} stage(s)); "
                  "inside the job the plan is made again on what the cluster has then"]  # fmt: skip
         return requests, notes
@@ -142,14 +144,24 @@ def _echo(line: str, echo: Callable[[str, str], None]) -> None:
         echo(*shown)
 
 
+NODES_WAIT_S = 5.0  # a head that has just started lists its nodes a moment later
+
+
 def _dashboard_nodes(jobs: Any) -> list[dict[str, Any]]:
-    """The cluster's nodes from the dashboard's state API, as ``ray.nodes()`` would list them."""
+    """The cluster's alive nodes from the dashboard's state API, as ``ray.nodes()`` would list
+    them; an error when it lists none (a dry run says it could not plan, it never plans on nothing)."""
     import requests
 
-    answer = requests.get(f"{jobs._address}/api/v0/nodes?limit=10000", headers=jobs._headers, cookies=jobs._cookies, timeout=10)  # noqa: SLF001
-    answer.raise_for_status()
-    found = answer.json()["data"]["result"]["result"]
-    return [{"Alive": n.get("state") == "ALIVE", "Resources": n.get("resources_total") or {}} for n in found]
+    deadline = time.monotonic() + NODES_WAIT_S
+    while True:
+        answer = requests.get(f"{jobs._address}/api/v0/nodes?limit=10000", headers=jobs._headers, cookies=jobs._cookies, timeout=10)  # noqa: SLF001
+        answer.raise_for_status()
+        found = [n for n in answer.json()["data"]["result"]["result"] if n.get("state") == "ALIVE"]
+        if found:
+            return [{"Alive": True, "Resources": n.get("resources_total") or {}} for n in found]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"its dashboard lists no alive node (after {NODES_WAIT_S:g} s)")
+        time.sleep(0.5)
 
 
 class RayJobRun(RemoteRun):

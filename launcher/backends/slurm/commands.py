@@ -146,9 +146,9 @@ def parse_sinfo(text: str) -> dict[str, list[SlurmNode]]:
     return parts
 
 
-def partition(wanted: str | None) -> Partition:
+def partition(wanted: str | None, *, timeout_s: float = TIMEOUT_S) -> Partition:
     """The partition ``wanted`` (the cluster's default when None), as ``sinfo`` shows it."""
-    found = parse_sinfo(checked(["sinfo", "-h", "-N", "-o", SINFO_FORMAT]))
+    found = parse_sinfo(checked(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], timeout_s=timeout_s))
     default = next((p for p in found if p.endswith("*")), None)
     names = sorted(p.rstrip("*") for p in found)
     if wanted is None:

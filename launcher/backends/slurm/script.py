@@ -35,7 +35,7 @@ MARGIN_S = 60  # added to the stages' timeouts for Slurm's time limit: start-up 
 class Allocation:
     """One node-wide task per node, sized for the largest stage."""
 
-    partition: str
+    partition: str | None  # None: Slurm's default partition, not known here (a dry run with no controller)
     nodes: int
     gpus_per_node: int
     cpus_per_task: int
@@ -43,21 +43,24 @@ class Allocation:
 
     def describe(self) -> str:
         gpus = f", {self.gpus_per_node} GPU(s)" if self.gpus_per_node else ""
-        return f"{self.nodes} node(s) x {self.cpus_per_task} CPU(s){gpus} in partition {self.partition}, time limit {self.time}"
+        where = f"partition {self.partition}" if self.partition else "the default partition"
+        return f"{self.nodes} node(s) x {self.cpus_per_task} CPU(s){gpus} in {where}, time limit {self.time}"
 
 
-def allocation_for(job: LoadedJob, partition: Partition, *, checked: bool = True) -> Allocation:
+def allocation_for(job: LoadedJob, partition: Partition | None) -> Allocation:
     """The allocation the spec asks for, or a PlanError (exit 2) saying what the partition has
-    when it can never hold it (a job that would pend forever is never submitted). ``checked``
-    False: the partition is not known (a dry run with no controller to ask); the spec alone
-    decides, ``auto`` counts as one GPU or CPU per node."""
+    when it can never hold it (a job that would pend forever is never submitted). ``partition``
+    None: it is not known (a dry run with no controller to ask); the spec alone decides: GPUs only
+    where it asks for them (``gpus_per_node: N``, or ``device: cuda``: then one where ``auto``),
+    otherwise ``cpu_workers`` ranks (one where ``auto``)."""
     spec, res = job.spec, job.spec.resources
-    if not checked:
-        gpus = 0 if res.device == "cpu" else (res.gpus_per_node if isinstance(res.gpus_per_node, int) else 1)
+    if partition is None:
+        asked = res.gpus_per_node if isinstance(res.gpus_per_node, int) else (1 if res.device == "cuda" else 0)
+        gpus = 0 if res.device == "cpu" else asked
         ranks = gpus or (res.cpu_workers if isinstance(res.cpu_workers, int) else 1)
         stages = len(spec.world_sizes or (1,))
         limit = spec.slurm.time or time_limit(stages * (spec.timeouts.rendezvous_s + spec.timeouts.run_s) + MARGIN_S)
-        return Allocation(partition.name, res.nodes, gpus, spec.slurm.cpus_per_task or ranks, limit)
+        return Allocation(spec.slurm.partition, res.nodes, gpus, spec.slurm.cpus_per_task or ranks, limit)
     fewest_gpus = min((n.gpus for n in partition.nodes), default=0)
     if res.device == "cpu":
         gpus = 0
@@ -123,7 +126,7 @@ def sbatch_script(job: LoadedJob, alloc: Allocation, run_dir: Path, *, python: s
         "--ntasks-per-node=1",  # one task per node: its torchrun agent starts the node's ranks
         f"--cpus-per-task={alloc.cpus_per_task}",
         *([f"--gpus-per-node={alloc.gpus_per_node}"] if alloc.gpus_per_node else []),
-        f"--partition={alloc.partition}",
+        *([f"--partition={alloc.partition}"] if alloc.partition else []),
         *([f"--account={s.account}"] if s.account else []),
         *([f"--qos={s.qos}"] if s.qos else []),
         f"--time={alloc.time}",

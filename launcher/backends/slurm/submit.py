@@ -53,6 +53,7 @@ POLL_S = 0.5
 # there: the launcher inside runs on it, and Slurm notices a lost node only after SlurmdTimeout.
 SILENT_S = 4.0
 COMPLETING_WAIT_S = 2.0  # once the launcher inside has ended, how long the job may stay COMPLETING
+DRY_RUN_PROBE_S = 5.0  # a dry run asks sinfo this long: a client with no controller to reach says so in seconds
 
 
 class SlurmSubmitter(Submitter):
@@ -61,7 +62,7 @@ class SlurmSubmitter(Submitter):
     def __init__(self, address: str | None = None) -> None:
         super().__init__(address)
         self.alloc: Allocation | None = None  # decided once, by target_nodes
-        self.partition: commands.Partition | None = None
+        self.partition: commands.Partition | None = None  # None in a dry run that could not ask Slurm
         self.notes: list[str] = []
 
     @classmethod
@@ -76,7 +77,7 @@ class SlurmSubmitter(Submitter):
         them), so that a world size the allocation cannot hold fails before anything is submitted.
         A dry run without a reachable controller plans on placeholder nodes, and says so."""
         try:
-            self.partition = commands.partition(job.spec.slurm.partition)
+            self.partition = commands.partition(job.spec.slurm.partition, timeout_s=DRY_RUN_PROBE_S if dry_run else commands.TIMEOUT_S)
         except commands.SlurmUnreachable as exc:
             if not dry_run:
                 raise
@@ -87,18 +88,20 @@ class SlurmSubmitter(Submitter):
         return planned_nodes(self.alloc, names, addresses)
 
     def _unchecked_nodes(self, job: LoadedJob, why: str) -> list[NodeTarget]:
-        self.partition = commands.Partition(job.spec.slurm.partition or "<default partition>", ())
-        self.alloc = allocation_for(job, self.partition, checked=False)
-        names = [f"<node{i}>" for i in range(self.alloc.nodes)]
+        self.partition = None
+        self.alloc = allocation_for(job, None)
+        names = [f"NODE{i + 1}" for i in range(self.alloc.nodes)]
         self.notes.append(f"could not reach Slurm ({why}): the partition and its nodes were not checked; the nodes shown are placeholders")
-        if job.spec.resources.device != "cpu" and not isinstance(job.spec.resources.gpus_per_node, int):
-            self.notes.append("resources.gpus_per_node: auto is the partition's GPUs per node, unknown without Slurm: shown as 1")
+        res = job.spec.resources
+        if res.device != "cpu" and not isinstance(res.gpus_per_node, int):
+            shown = "as 1" if res.device == "cuda" else "on the CPU (resources.cpu_workers)"
+            self.notes.append(f"resources.gpus_per_node: auto is the partition's GPUs per node, unknown without Slurm: shown {shown}")
         return planned_nodes(self.alloc, names, {})
 
     def dry_run(self, submission: Submission) -> tuple[list[LaunchRequest], list[str]]:
         """The sbatch script exactly as it would be submitted, and each stage's srun lines as the
         launcher inside would run them."""
-        assert self.alloc is not None and self.partition is not None, "target_nodes decides the allocation first"
+        assert self.alloc is not None, "target_nodes decides the allocation first"
         job = submission.job
         run_dir = submission.out.resolve() / job.spec.name / "<run-id>"
         script = sbatch_script(job, self.alloc, run_dir, python=sys.executable, cwd=Path.cwd())
@@ -109,12 +112,11 @@ class SlurmSubmitter(Submitter):
             inside = f"inside the job, world size {plan.world_size}: one srun step per node"
             requests.append(LaunchRequest("slurm", (*submitted, inside + ":", *steps)))
         first = submission.plans[0].nodes[0].host if submission.plans else "the first node"
-        notes = [
-            f"allocation: {self.alloc.describe()}",
-            f"the nodes shown are partition {self.partition.name}'s first that fit; inside the job they are the ones Slurm grants, "
-            f"the first of them ({first} here) the rendezvous, on a port chosen there",
-            *self.notes,
-        ]
+        notes = [f"allocation: {self.alloc.describe()}"]
+        if self.partition is not None:
+            notes.append(f"the nodes shown are partition {self.partition.name}'s first that fit; inside the job they are the ones Slurm "
+                         f"grants, the first of them ({first} here) the rendezvous, on a port chosen there")  # fmt: skip
+        notes += self.notes
         return requests, notes
 
     def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
