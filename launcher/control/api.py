@@ -15,9 +15,9 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 
 import yaml
 
@@ -29,8 +29,9 @@ from launcher.masking import mask_env
 from launcher.procutil import free_port, handling_stop_signals
 from launcher.records import BackendName, Failure, FailureReason, StageOutcome, new_run_id
 from launcher.results.aggregate import aggregate
-from launcher.results.hooks import attach_plots, run_summarize, workload_module
+from launcher.results.hooks import make_plots, run_summarize, workload_module
 from launcher.results.series import default_summary
+from launcher.results.record import RunRecord
 from launcher.results.store import RunResult, write_result
 from launcher.runtime.devices import discover
 from launcher.spec.model import LoadedJob, load_job
@@ -333,56 +334,59 @@ def finish_run(
     cut_short: Failure | None = None,
 ) -> RunResult:
     """Aggregate, summarise, plot, write result.json and tell the watcher. ``cut_short``: the
-    failure when a stage could not start, or a stop came between stages."""
+    failure when a stage could not start, or a stop came between stages. The record is built
+    once and every addition makes a new one; the document is made from it at the end."""
     t_agg = time.time()
-    result = aggregate(
-        outcomes,
-        job=loaded.spec.name,
-        run_id=run_id,
-        backend=backend_name,
-        spec=masked_spec(loaded),
-        spec_hash=loaded.spec.fingerprint(),
-        params=loaded.params,
-        started_at=started,
-    )
-    result["run_dir"] = str(run_dir)
-    if cut_short is not None:
-        result["status"] = cut_short.reason.status.value
-        result["failure"] = cut_short.to_dict()
-    module = _workload_module(loaded, result)
-    result["summary"].update(run_summarize(result, module, loaded.params))
-    if "scaling" in result["summary"]:
-        result["scaling"] = result["summary"]["scaling"]
-    if getattr(module, "summarize", None) is None:  # no hooks: every logged series, per rank
-        result["summary"].update(default_summary(result))
-    plots = attach_plots(result, run_dir, module)
-    _write_tensorboard(result, run_dir)
-    result["phases"]["aggregate"] = round(time.time() - t_agg, 4)
-    write_result(run_dir, result)
-    run = RunResult(result, run_dir, tuple(plots))
+    record = aggregate(
+        outcomes, job=loaded.spec.name, run_id=run_id, backend=backend_name, spec=masked_spec(loaded),
+        spec_hash=loaded.spec.fingerprint(), params=loaded.params, started_at=started, cut_short=cut_short,
+    )  # fmt: skip
+    module, summary = _summary(loaded, record)
+    record = replace(record, run_dir=str(run_dir), summary=summary)
+    document = record.to_dict()  # what the job's plot hook and TensorBoard read, as they always have
+    plots, plot_error = make_plots(document, run_dir, module)
+    tensorboard, tensorboard_error = _write_tensorboard(document, run_dir)
+    record = replace(
+        record, plots=plots, plot_error=plot_error, tensorboard=tensorboard, tensorboard_error=tensorboard_error,
+        phases={**record.phases, "aggregate": round(time.time() - t_agg, 4)},
+    )  # fmt: skip
+    write_result(run_dir, record)
+    run = RunResult.of(record, run_dir)
     events.finished(run)
     return run
 
 
-def _write_tensorboard(result: dict[str, Any], run_dir: Path) -> None:
+def _summary(loaded: LoadedJob, record: RunRecord) -> tuple[Any, dict[str, Any]]:
+    """The job's module (for its hooks) and the run's summary: the aggregate's figures, the job's
+    ``summarize`` output, or for a job without one, every series its ranks logged."""
+    summary = dict(record.summary)
+    module, error = _workload_module(loaded)
+    if error:
+        summary["error"] = error
+    document = record.to_dict()
+    summary.update(run_summarize(document, module, loaded.params))
+    if getattr(module, "summarize", None) is None:  # no hooks: every logged series, per rank
+        summary.update(default_summary(document))
+    return module, summary
+
+
+def _write_tensorboard(result: Mapping[str, Any], run_dir: Path) -> tuple[str | None, str | None]:
     """Every ``ctx.metrics`` series as TensorBoard scalars, once, at the end (``tensorboard
-    --logdir runs/``); nothing when the optional ``tensorboard`` package is not installed."""
+    --logdir runs/``): their directory relative to the run's, or what went wrong; nothing when the
+    optional ``tensorboard`` package is not installed."""
     from launcher.results.tensorboard import write_scalars
 
     try:
         written = write_scalars(result, run_dir)
     except Exception as exc:  # noqa: BLE001 - an optional extra must never cost the run its results
-        result["tensorboard_error"] = f"{type(exc).__name__}: {exc}"
-        return
-    if written:
-        result["tensorboard"] = "tensorboard"  # relative to the run directory, like the plots
+        return None, f"{type(exc).__name__}: {exc}"
+    return ("tensorboard" if written else None), None
 
 
-def _workload_module(loaded: LoadedJob, result: dict[str, Any]) -> Any:
-    """The job's module for its hooks (found on the spec's PYTHONPATH too); a module whose own
-    import fails is noted in the summary, and the run's results stay."""
+def _workload_module(loaded: LoadedJob) -> tuple[Any, str | None]:
+    """The job's module for its hooks (found on the spec's PYTHONPATH too), or what its own import
+    raised: noted in the summary, and the run's results stay."""
     try:
-        return workload_module(loaded.spec.entrypoint, loaded.spec.env.get("PYTHONPATH", ""))
+        return workload_module(loaded.spec.entrypoint, loaded.spec.env.get("PYTHONPATH", "")), None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the workload's own import
-        result["summary"]["error"] = f"importing the workload: {type(exc).__name__}: {exc}"
-        return None
+        return None, f"importing the workload: {type(exc).__name__}: {exc}"

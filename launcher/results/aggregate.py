@@ -1,8 +1,9 @@
-"""Stage outcomes in, the result document out: pure, no I/O, no user code.
+"""Stage outcomes in, the run's typed record out: pure, no I/O, no user code.
 
-The document is what ``result.json`` holds (``schema_version`` 1): the stages with their start-up
-phases, every rank's report with its timeline, the failure if any. The job's own summary and
-plots are added afterwards (``results.hooks``), and so is the default summary of its logged series.
+The record (``results.record.RunRecord``, frozen) is what ``result.json`` holds once serialised
+(``schema_version`` 1): the stages with their start-up phases, every rank's report with its
+timeline, the failure if any. The job's own summary and plots are added afterwards
+(``results.hooks``), and so is the default summary of its logged series, each by a new record.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from statistics import median
 from typing import Any, Mapping, Sequence
 
 from launcher.protocol import RankReport
-from launcher.records import RunStatus, StageOutcome
-from launcher.results.store import SCHEMA_VERSION
+from launcher.records import Failure, RunStatus, StageOutcome
+from launcher.results.record import RunRecord, StageRecord
 
 PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")
 # each phase ends at a rank's stamp: spawned (the process exists), imported (torch and the job's
@@ -55,20 +56,17 @@ def _rank_entry(report: RankReport, started_at: float) -> dict[str, Any]:
     return entry
 
 
-def _stage_doc(stage: StageOutcome) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "world_size": stage.world_size,
-        "status": stage.status.value,
-        "restarts": stage.restarts,
-        "wall_s": round(stage.ended_at - stage.started_at, 4),
-        "phases": stage_phases(stage.started_at, stage.reports, script=stage.script),
-        "failure": stage.failure.to_dict() if stage.failure else None,
-        # ranks whose own work per step stayed well above their peers' (synchronous jobs), live
-        "stragglers": [s.to_dict() for s in stage.stragglers],
-    }
-    if stage.load_avg:
-        doc["load_avg"] = {k: list(v) for k, v in stage.load_avg.items()}
-    return doc
+def _stage_record(stage: StageOutcome) -> StageRecord:
+    return StageRecord(
+        world_size=stage.world_size,
+        status=stage.status,
+        restarts=stage.restarts,
+        wall_s=round(stage.ended_at - stage.started_at, 4),
+        phases=stage_phases(stage.started_at, stage.reports, script=stage.script),
+        failure=stage.failure,
+        stragglers=tuple(stage.stragglers),
+        load_avg=dict(stage.load_avg),
+    )
 
 
 def run_status(stages: Sequence[StageOutcome]) -> RunStatus:
@@ -89,34 +87,23 @@ def aggregate(
     params: Mapping[str, Any],
     started_at: float,
     finished_at: float | None = None,
-) -> dict[str, Any]:
-    """The result document (without the job's summary, plots and the aggregate phase)."""
-    stage_docs = [_stage_doc(s) for s in stages]
-    ranks = [_rank_entry(r, s.started_at) for s in stages for r in s.reports]
+    cut_short: Failure | None = None,
+) -> RunRecord:
+    """The run's record (without the job's summary, its plots and the aggregate phase).
+    ``cut_short``: why the run ended before its stages did (a stage could not start, a stop came
+    between stages): its status and failure then, the stages that finished kept."""
+    records = tuple(_stage_record(s) for s in stages)
+    ranks = tuple(_rank_entry(r, s.started_at) for s in stages for r in s.reports)
     failed = next((s for s in stages if not s.ok), None)
     finished_at = time.time() if finished_at is None else finished_at
-    totals = {p: round(sum(s["phases"][p] or 0.0 for s in stage_docs), 4) for p in PHASES}
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "job": job,
-        "run_id": run_id,
-        "backend": backend,
-        "status": run_status(stages).value,
-        "world_size": max((s["world_size"] for s in stage_docs), default=0),
-        "world_sizes": [s["world_size"] for s in stage_docs],
-        "spec_hash": spec_hash,
-        "spec": dict(spec),
-        "params": dict(params),  # what the ranks ran with, the workload's defaults included
-        "started_at": started_at,
-        "finished_at": finished_at,
-        "wall_s": round(finished_at - started_at, 4),
-        "phases": totals,
-        "restarts": sum(s["restarts"] for s in stage_docs),
-        "stages": stage_docs,
-        "ranks": ranks,
-        "failure": failed.failure.to_dict() if failed and failed.failure else None,
-        "summary": {"steps_per_rank": steps_per_rank(ranks)},
-    }
+    totals = {p: round(sum(s.phases[p] or 0.0 for s in records), 4) for p in PHASES}
+    status = run_status(stages) if cut_short is None else cut_short.reason.status
+    failure = cut_short if cut_short is not None else (failed.failure if failed else None)
+    return RunRecord(
+        job=job, run_id=run_id, backend=backend, status=status, spec_hash=spec_hash, spec=dict(spec), params=dict(params),
+        started_at=started_at, finished_at=finished_at, phases=totals, stages=records, ranks=ranks, failure=failure,
+        summary={"steps_per_rank": steps_per_rank(ranks)},
+    )  # fmt: skip
 
 
 def steps_per_rank(ranks: Sequence[Mapping[str, Any]]) -> float | None:

@@ -57,19 +57,19 @@ def run_plot(result: Mapping[str, Any], module: Any, run_dir: Path) -> list[str]
     return [str(p) for p in hook(result, run_dir)]
 
 
-def attach_plots(result: dict[str, Any], run_dir: Path, module: Any) -> list[str]:
+def make_plots(result: Mapping[str, Any], run_dir: Path, module: Any) -> tuple[tuple[str, ...], str | None]:
     """Render the job's plots (a job without a ``plot`` hook gets a line plot of its logged series
-    per stage) and list them in ``result["plots"]``; a broken plot hook is noted in ``result["plot_error"]``."""
+    per stage): their paths relative to ``run_dir``, and what a broken plot hook raised (None when
+    none did; the plots made before it are kept)."""
     from launcher.results.series import plot_series
 
     extra = plot_series if getattr(module, "plot", None) is None else None
     plots: list[str] = []
-    result.pop("plot_error", None)
+    error = None
     try:
         plots = run_plot(result, module, run_dir)
         if extra is not None:
             plots += [str(p) for p in extra(result, run_dir)]
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's plot code may raise anything
-        result["plot_error"] = f"{type(exc).__name__}: {exc}"
-    result["plots"] = [os.path.relpath(p, run_dir) for p in plots]
-    return plots
+        error = f"{type(exc).__name__}: {exc}"
+    return tuple(os.path.relpath(p, run_dir) for p in plots), error

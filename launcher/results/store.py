@@ -8,18 +8,25 @@ from typing import Any, Mapping
 
 from launcher.procutil import read_json, write_json_atomic
 from launcher.records import RunStatus
+from launcher.results.record import SCHEMA_VERSION, RunRecord
 
-SCHEMA_VERSION = 1
 RESULT_FILE = "result.json"
+__all__ = ["SCHEMA_VERSION", "RESULT_FILE", "RunResult", "write_result", "load_result"]
 
 
 @dataclass(frozen=True)
 class RunResult:
-    """What ``run_job`` returns and ``result.json`` holds."""
+    """What ``run_job`` returns and ``result.json`` holds: the document (``data``), and where a
+    run made here has it, its typed record (``record``)."""
 
     data: Mapping[str, Any]
     run_dir: Path
     plots: tuple[str, ...] = field(default_factory=tuple)
+    record: RunRecord | None = None
+
+    @classmethod
+    def of(cls, record: RunRecord, run_dir: Path) -> "RunResult":
+        return cls(record.to_dict(), run_dir, tuple(str(run_dir / p) for p in record.plots), record)
 
     @property
     def status(self) -> str:
@@ -45,9 +52,9 @@ class RunResult:
         return self.data[key]
 
 
-def write_result(run_dir: Path, result: Mapping[str, Any]) -> Path:
+def write_result(run_dir: Path, result: Mapping[str, Any] | RunRecord) -> Path:
     path = run_dir / RESULT_FILE
-    write_json_atomic(path, result)
+    write_json_atomic(path, result.to_dict() if isinstance(result, RunRecord) else result)
     return path
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, LauncherError
-from launcher.results.hooks import attach_plots, workload_module
+from launcher.results.hooks import make_plots, workload_module
 from launcher.results.store import RESULT_FILE, load_result, write_result
 
 
@@ -38,9 +38,9 @@ def rerender(path: Path) -> int:
         module = workload_module(spec.get("entrypoint"), (spec.get("env") or {}).get("PYTHONPATH", ""))
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the workload's own import: results stay
         error = f"importing the workload: {type(exc).__name__}: {exc}"
-    attach_plots(result, run_dir, module)
-    if error:
-        result["plot_error"] = error
+    plots, plot_error = make_plots(result, run_dir, module)
+    result = {k: v for k, v in result.items() if k != "plot_error"}
+    result.update(plots=list(plots), **({"plot_error": error or plot_error} if error or plot_error else {}))
     write_result(run_dir, result)
     RunUI().show_result(result, run_dir)
     return EXIT_OK

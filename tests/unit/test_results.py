@@ -20,7 +20,8 @@ def _report(rank: int, world: int, ms: float, t0: float) -> RankReport:
 
 
 def _aggregate(stages, t0=1000.0, **kw):
-    return aggregate(stages, job="j", run_id="r", backend="torchrun", spec={}, spec_hash="x", params={}, started_at=t0, **kw)
+    """result.json's document, from the record aggregate() built."""
+    return aggregate(stages, job="j", run_id="r", backend="torchrun", spec={}, spec_hash="x", params={}, started_at=t0, **kw).to_dict()
 
 
 def test_phases_follow_the_slowest_rank():
@@ -67,6 +68,24 @@ def test_a_failed_stage_makes_the_run_failed_and_keeps_its_failure():
     assert result["failure"]["root_cause"]["type"] == "ValueError" and result["failure"]["collateral_ranks"] == [0]
     assert [s["status"] for s in result["stages"]] == ["succeeded", "failed"]
     assert result["stages"][1]["failure"] == result["failure"]
+
+
+def test_the_record_is_frozen_typed_and_a_run_cut_short_says_why():
+    import dataclasses
+
+    import pytest
+
+    t0 = 1000.0
+    one = StageOutcome(1, RunStatus.SUCCEEDED, t0, t0 + 3, reports=[_report(0, 1, 10.0, t0)])
+    stopped = Failure(FailureReason.INTERRUPTED, "stopped by SIGINT before the stage of world size 2")
+    record = aggregate([one], job="j", run_id="r", backend="torchrun", spec={}, spec_hash="x", params={}, started_at=t0, cut_short=stopped)
+    assert record.status == RunStatus.INTERRUPTED and record.stages[0].status == RunStatus.SUCCEEDED  # enums, not strings
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.status = RunStatus.SUCCEEDED  # type: ignore[misc]
+    later = dataclasses.replace(record, run_dir="/runs/j/r", plots=("a.png",))
+    doc = later.to_dict()
+    assert (doc["status"], doc["failure"]["reason"], doc["run_dir"], doc["plots"]) == ("interrupted", "interrupted", "/runs/j/r", ["a.png"])
+    assert "run_dir" not in record.to_dict() and record.plots == ()  # the first record is as it was
 
 
 def test_a_workload_summary_that_raises_is_noted_and_the_results_stay():

@@ -273,7 +273,7 @@ def _result(jobs: Any, job_id: str, state: str, run: RayJobRun, out: Path, addre
             f"Ray job {job_id} ended {state} without sending its result back{why} (see: launch logs {job_id} --address {address})",
             exit_code=EXIT_INTERRUPTED if state == "STOPPED" else _exit_code(jobs, job_id),
         )
-    data["run_dir"] = str(run_dir)  # where it is now, not the cluster's directory
+    data = {**data, "run_dir": str(run_dir)}  # where it is now, not the cluster's directory
     write_result(run_dir, data)
     _say_what_stayed(run_dir, events)
     result = RunResult(data, run_dir, tuple(str(run_dir / p) for p in data.get("plots", [])))

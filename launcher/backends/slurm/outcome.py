@@ -5,6 +5,7 @@ came first), one written here from what Slurm says about the job."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +40,16 @@ def settle(
         reason, summary = explain_end(job_id, state, interrupted, output_path(run_dir, job_id), lost)
         record = read_json(run_dir / RECORD_FILE) or {}
         spec = yaml.safe_load((run_dir / "spec.yaml").read_text()) if (run_dir / "spec.yaml").is_file() else {}
-        data = aggregate(
+        ended = aggregate(
             [], job=record.get("job", run_dir.parent.name), run_id=run_dir.name, backend="slurm", spec=spec or {},
             spec_hash=record.get("spec_hash", ""), params=record.get("params", {}), started_at=record.get("submitted_at", time.time()),
+            cut_short=Failure(reason, summary),
         )  # fmt: skip
-        data.update(status=reason.status.value, failure=Failure(reason, summary).to_dict(), run_dir=str(run_dir))
+        data = replace(ended, run_dir=str(run_dir)).to_dict()
     elif interrupted and data.get("status") == "interrupted" and data.get("failure"):
-        data["failure"]["summary"] = f"interrupted ({interrupted}; Slurm job {job_id} cancelled)"
+        data = {**data, "failure": {**data["failure"], "summary": f"interrupted ({interrupted}; Slurm job {job_id} cancelled)"}}
     if state is not None:
-        data["slurm"] = {"job_id": job_id, "state": state.state, "exit_code": state.exit_code, "nodes": state.nodes}
+        data = {**data, "slurm": {"job_id": job_id, "state": state.state, "exit_code": state.exit_code, "nodes": state.nodes}}
     write_result(run_dir, data)
     return data
 
