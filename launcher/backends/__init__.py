@@ -84,7 +84,7 @@ def choose(name: str, *, address: str | None) -> StageEngine | Submitter:
 def submitter_for_id(job_id: str, address: str | None) -> Submitter:
     """The submitter whose scheduler has ``job_id`` (``launch status|logs|stop``): each is asked."""
     for name in _SUBMITTERS:
-        cls = _load(name, _SUBMITTERS[name], "backend")
+        cls: type[Submitter] = _load(name, _SUBMITTERS[name], "backend")
         if cls.claims(job_id, address):
             return cls(address=address)
     raise LauncherError(

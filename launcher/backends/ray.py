@@ -287,7 +287,7 @@ class RayStage(StageHandle):
         for r in self.plan.ranks:
             name = f"{self.plan.job}-rank{r.rank}"
             try:
-                actor = remote_cls.options(
+                actor: Any = remote_cls.options(
                     name=name,
                     namespace=namespace,
                     num_cpus=bundle["CPU"],

@@ -94,11 +94,11 @@ def ssh_base_argv(host: Any, extra: Sequence[str] = ()) -> list[str]:
         "-o", "LogLevel=ERROR",
     ]
     if host.ssh_config:
-        argv += ["-F", host.ssh_config if host.ssh_config == "none" else _local_path(host.ssh_config)]
+        argv += ["-F", host.ssh_config if host.ssh_config == "none" else str(_local_path(host.ssh_config))]
     if host.known_hosts:
         argv += ["-o", f"UserKnownHostsFile={_local_path(host.known_hosts)}"]
     if host.key:
-        argv += ["-i", _local_path(host.key), "-o", "IdentitiesOnly=yes"]
+        argv += ["-i", str(_local_path(host.key)), "-o", "IdentitiesOnly=yes"]
     for key, value in host.ssh_options.items():
         argv += ["-o", f"{key}={value}"]
     argv += ["-p", str(host.port)]

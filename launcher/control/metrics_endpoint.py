@@ -182,7 +182,7 @@ class MetricsEndpoint:
 
         self.registry: CollectorRegistry = CollectorRegistry(auto_describe=False)
         self._collector = _Collector()
-        self.registry.register(self._collector)  # type: ignore[arg-type]
+        self.registry.register(self._collector)
         self._rate_window_s = rate_window_s
         self._clock = clock
         self._rates: dict[tuple[str, int, int], _StepRate] = {}
@@ -193,7 +193,7 @@ class MetricsEndpoint:
         self.port: int | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
-    def start(self, host: str = "127.0.0.1", port: int = 0, *, sd_dir: os.PathLike | str | None = None, sd_name: str | None = None) -> int:
+    def start(self, host: str = "127.0.0.1", port: int = 0, *, sd_dir: os.PathLike[str] | str | None = None, sd_name: str | None = None) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: a free port); returns the bound port.
 
         ``sd_dir``: also write ``<sd_dir>/<sd_name>.json``, a Prometheus file-SD target list

@@ -30,7 +30,7 @@ class RunResult:
 
     @property
     def status(self) -> str:
-        return self.data["status"]
+        return str(self.data["status"])
 
     @property
     def run_status(self) -> RunStatus:

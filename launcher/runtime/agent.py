@@ -137,7 +137,7 @@ def _launch(config: Any, entrypoint: Any, entry_args: list[Any], args: Any, fork
     except ChildFailedError as exc:
         # rank -> (local rank, exit code, pid, when); torch lists every failed process of a
         # command entrypoint, but only the first it noticed of a function entrypoint's
-        exits = {rank: (f.local_rank, f.exitcode, f.pid, f.timestamp) for rank, f in exc.failures.items()}
+        exits: dict[int, tuple[int, int, int, float]] = {rank: (f.local_rank, f.exitcode, f.pid, f.timestamp) for rank, f in exc.failures.items()}
         if forked_config is not None:
             exits = {**_RankProcess.exits(first_rank=int(args.node_rank) * config.nproc_per_node), **exits}
         _report_failures(exits, oom=(oom_kill_count() or 0) > (oom_before or 0))
@@ -190,9 +190,9 @@ class _RankProcess(ForkServerProcess):
         # torch starts local ranks in order 0..nproc-1, and has joined them all by now
         now = time.time()
         return {
-            first_rank + local_rank: (local_rank, proc.exitcode, proc.pid, now)
+            first_rank + local_rank: (local_rank, proc.exitcode, proc.pid or 0, now)
             for local_rank, proc in enumerate(cls._started)
-            if proc.exitcode not in (0, None)
+            if proc.exitcode is not None and proc.exitcode != 0
         }
 
 
@@ -215,11 +215,11 @@ def _start_rank_server() -> None:
     from launcher.runtime import rank_preload
 
     context = multiprocessing.get_context("forkserver")
-    context.Process = _RankProcess
-    server = forkserver._forkserver  # noqa: SLF001 - the context's server, which torch's ranks ask for
+    context.Process = _RankProcess  # type: ignore[misc]  # the forkserver context's own class, for this process
+    server: Any = forkserver._forkserver  # noqa: SLF001 - the context's server, which torch's ranks ask for
     resource_tracker.ensure_running()  # before the fork: the ranks share the agent's tracker
     with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         listener.bind(address)
         os.chmod(address, 0o600)
         listener.listen()

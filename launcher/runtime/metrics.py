@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class MetricsRecorder:
-    def __init__(self, device: "torch.device", *, on_first_step: Callable[[], None] | None = None) -> None:
+    def __init__(self, device: "torch.device", *, on_first_step: Callable[[], object] | None = None) -> None:
         self.device = device
         self.steps = 0
         self._on_first_step = on_first_step
@@ -50,7 +50,7 @@ class MetricsRecorder:
           or not; sync debug mode does not see it), and pinning it first costs a pinned allocation
           per value. ``to_host`` copies each device's values once at the end instead.
         """
-        if isinstance(value, numbers.Real):
+        if isinstance(value, (int, float, numbers.Real)):
             self._numbers.setdefault(name, []).append(float(value))
             return
         kept = value.detach().reshape(())

@@ -49,7 +49,7 @@ class _OutputTee:
         os.close(write_fd)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
-                stream.reconfigure(line_buffering=True)
+                stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         threading.Thread(target=self._pump, args=(read_fd,), daemon=True, name="gpulaunch-tee").start()
 
     def _pump(self, fd: int) -> None:

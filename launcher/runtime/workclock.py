@@ -228,11 +228,11 @@ def install_ddp_timing(clock: WorkClock) -> Callable[[], None]:
         clock.forward_entered()
         return original_forward(self, *args, **kwargs)
 
-    DDP.forward = forward
+    DDP.forward = forward  # type: ignore[method-assign]
     step_hook = register_optimizer_step_pre_hook(lambda _optimizer, _args, _kwargs: clock.optimizer_step())
 
     def undo() -> None:
-        DDP.forward = original_forward
+        DDP.forward = original_forward  # type: ignore[method-assign]
         step_hook.remove()
 
     return undo

@@ -118,7 +118,11 @@ def load_cluster(path: str | Path) -> ClusterConfig:
         except ValidationError as exc:
             # a bad value a host inherited from `defaults` is reported once, at `defaults` (not per host)
             inherited = set(defaults) - set(hosts[i])
-            problems += located_problems(exc, sourced, HostConfig, ("hosts", i), skip=lambda loc, known=inherited: bool(loc) and loc[0] in known)
+
+            def from_defaults(loc: tuple[Any, ...], known: set[str] = inherited) -> bool:
+                return bool(loc) and loc[0] in known
+
+            problems += located_problems(exc, sourced, HostConfig, ("hosts", i), skip=from_defaults)
     if problems:
         raise SpecError(problems)
     try:

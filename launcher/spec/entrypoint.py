@@ -80,7 +80,7 @@ def _find_unloaded(name: str, locations: list[str] | None) -> ModuleSpec | None:
     for finder in sys.meta_path:
         find = getattr(finder, "find_spec", None)
         found = find(name, locations) if find is not None else None
-        if found is not None:
+        if isinstance(found, ModuleSpec):
             return found
     return None
 

@@ -333,6 +333,7 @@ def _entrypoint_problems(sourced: SourcedData, base_dir: Path) -> list[str]:
     except SpecError as exc:
         return exc.problems
     except ValidationError as exc:
+        assert model is not None  # only its own validation raises ValidationError here
         return located_problems(exc, sourced, model, ("params",))
     return []
 

@@ -128,8 +128,9 @@ def _index(node: yaml.Node, path: PathKey, file: str, out: dict[PathKey, Locatio
                 dotted = ".".join(str(p) for p in (*path, key))
                 problems.append(f"{file}:{key_node.start_mark.line + 1}: {dotted}: duplicate key")
             seen.add(key)
-            out[(*path, key)] = Location(file, key_node.start_mark.line + 1)
-            _index(value_node, (*path, key), file, out, problems)
+            here = (*path, key)
+            out[here] = Location(file, key_node.start_mark.line + 1)
+            _index(value_node, here, file, out, problems)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             _index(item, (*path, i), file, out, problems)

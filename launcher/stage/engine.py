@@ -161,12 +161,13 @@ class Submitter(ABC):
     def claims(cls, job_id: str, address: str | None) -> bool:
         """Whether ``job_id`` (as ``launch status|logs|stop`` got it) is one of this scheduler's."""
 
-    def check_job(self, job: LoadedJob) -> None:
+    def check_job(self, job: LoadedJob, cluster: str | None = None) -> None:
         """Refuse what this scheduler can never run, before anything is submitted (LauncherError)."""
 
-    def target_nodes(self, job: LoadedJob) -> list[NodeTarget] | None:
-        """The nodes the scheduler would grant, to plan on before submitting; None when it
-        cannot say (the plan is made inside the job, on what it got)."""
+    def target_nodes(self, job: LoadedJob, *, dry_run: bool = False) -> list[NodeTarget] | None:
+        """The nodes the scheduler would grant, to plan on before submitting (in a dry run: or
+        placeholders, saying so in ``dry_run``'s notes); None when it cannot say (the plan is
+        made inside the job, on what it got)."""
         return None
 
     @abstractmethod

@@ -9,17 +9,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, LauncherError
 from launcher.records import BackendName
 
 if TYPE_CHECKING:
+    from launcher.spec.model import LoadedJob
     from launcher.stage.engine import JobInfo
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         raise LauncherError(f"{self.prog}: {message} (see {self.prog} --help)", exit_code=EXIT_BAD_INPUT)
 
 
@@ -72,7 +73,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     return EXIT_OK if args.detach else result.exit_code
 
 
-def _print_dry_run(job, args: argparse.Namespace) -> int:  # noqa: ANN001
+def _print_dry_run(job: LoadedJob, args: argparse.Namespace) -> int:
     from launcher.control.api import dry_run
 
     dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from launcher.errors import EXIT_BAD_INPUT, EXIT_OK, LauncherError
 from launcher.results.hooks import make_plots, workload_module
@@ -46,7 +47,7 @@ def rerender(path: Path) -> int:
     return EXIT_OK
 
 
-def _headline(result: dict) -> str:
+def _headline(result: dict[str, Any]) -> str:
     """The run's one figure worth a glance: the job's own ``summary.headline`` when it gives one,
     else its wall time and steps per rank; a failure's summary line for a failed run."""
     summary = result.get("summary") or {}

@@ -156,9 +156,10 @@ def partition(wanted: str | None, *, timeout_s: float = TIMEOUT_S) -> Partition:
             raise SlurmError(f"slurm.partition: this cluster has no default partition; set one of: {', '.join(names) or 'none'}")
         key = default
     else:
-        key = next((p for p in found if p.rstrip("*") == wanted), None)
-        if key is None:
+        named = next((p for p in found if p.rstrip("*") == wanted), None)
+        if named is None:
             raise SlurmError(f"slurm.partition: no partition '{wanted}' on this cluster (partitions: {', '.join(names) or 'none'}); nothing was submitted")
+        key = named
     unique = {n.name: n for n in found[key]}  # a node can be listed once per state line
     return Partition(key.rstrip("*"), tuple(sorted(unique.values(), key=lambda n: _natural(n.name))))
 
@@ -220,7 +221,7 @@ def accounting() -> bool:
     """Whether the cluster keeps job accounting (``sacct`` has finished jobs)."""
     done = run(["scontrol", "show", "config"])
     m = re.search(r"^AccountingStorageType\s*=\s*(\S+)", done.stdout, re.MULTILINE)
-    return bool(m) and m.group(1) != "accounting_storage/none"
+    return m is not None and m.group(1) != "accounting_storage/none"
 
 
 # --- one job -----------------------------------------------------------------------------------

@@ -94,10 +94,13 @@ def job_logs(job_id: str, *, follow: bool, echo: Callable[[str, str], None]) -> 
             shown = readable(line)
             if shown is not None:
                 echo(*shown)
-        if not follow or state is None or state.terminal:
+        if not follow or state.terminal:
             break
         time.sleep(0.5)
-        state = commands.squeue_state(job_id)
+        now = commands.squeue_state(job_id)
+        if now is None:  # slurmctld has forgotten it (MinJobAge): it has ended
+            break
+        state = now
     for line in tail.lines(final=True):
         shown = readable(line)
         if shown is not None:
