@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"latency p50 {lat['p50']} s p99 {lat['p99']} s (n={lat['n']}), {row['reports_ok']} reports ok, "
                       f"stragglers {row['stragglers_flagged']}")  # fmt: skip
     by_size = {r["ranks"]: r for r in rows}
-    write_result("event_path", {"machine": machine_info(), "seconds": seconds, "rows": rows,
+    write_result("event_path", {"mode": "smoke" if args.smoke else "full" if args.full else "default", "machine": machine_info(),
+                                "seconds": seconds, "rows": rows,
                                 "cpu_core_fraction": {k: summary([r["cpu_core_fraction"] for r in rows if r["ranks"] == k]) for k in by_size},
                                 "latency_p99_s": {k: summary([r["latency_s"]["p99"] for r in rows if r["ranks"] == k]) for k in by_size}},
                  args.out)  # fmt: skip

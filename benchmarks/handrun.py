@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -114,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         with netns_rig(scratch / "rig", count=2, prefix=f"glt-{os.getpid()}") as cluster:
             cfg = cluster.cluster_yaml(scratch / "cluster.yaml", hosts=cluster.hosts[:2])
             hosts = list(load_cluster(cfg).hosts)
-            variants = {"launch": lambda k: launch_record(cluster, cfg), "by_hand": lambda k: by_hand_record(cluster, hosts, 29400 + k)}
+            # a fresh port for every hand run, as a user picking one would (a port in TIME_WAIT, or one
+            # another run still holds, hangs a static rendezvous); the launcher picks its own
+            ports = iter(random.sample(range(30000, 60000), reps + 1))
+            variants = {"launch": lambda k: launch_record(cluster, cfg), "by_hand": lambda k: by_hand_record(cluster, hosts, next(ports))}
             for fn in variants.values():  # untimed: page cache, sshd's first fork
                 fn(0)
             for k in range(reps):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, machine_info, write_result  # noqa: E402
 
-SCRIPTS = ("cli_latency", "recorder_overhead", "startup", "throughput", "scaling")
+SCRIPTS = ("cli_latency", "recorder_overhead", "startup", "throughput", "scaling", "event_path")
 
 
 def main(argv: list[str] | None = None) -> int:

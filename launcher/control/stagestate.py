@@ -35,7 +35,6 @@ class StageState:
         self.started_at = started_at
         self.restarts = restarts
         self.beacons: dict[int, RankProgress] = {}
-        self.received: dict[int, float] = {}  # rank -> when its latest beacon arrived here
         self.hosts: dict[int, str] = {}  # rank -> host, where an event said (a scheduler placed it)
         self.reports: dict[int, RankReport] = {}
         self._errors: dict[int, RankError] = {}  # the failed reports' errors, kept as they come
@@ -68,7 +67,6 @@ class StageState:
         if old is not None and old.t is not None and event.beacon.t is not None and event.beacon.t < old.t:
             return  # an older beacon, late (delivered twice: live, and again at the end)
         self.beacons[event.rank] = event.beacon
-        self.received[event.rank] = event.received
         if event.host:
             self.hosts[event.rank] = event.host
         if old is None or old.phase != event.beacon.phase:  # a phase's stamp is its first beacon's time

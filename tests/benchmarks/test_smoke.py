@@ -21,7 +21,7 @@ def test_run_all_smoke_completes_and_writes_json(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "all.json").read_text())
     assert summary["failed"] == {}, summary["failed"]
-    for name in ("cli_latency", "recorder_overhead", "startup", "throughput", "scaling"):
+    for name in ("cli_latency", "recorder_overhead", "startup", "throughput", "scaling", "event_path"):
         data = json.loads((tmp_path / f"{name}.json").read_text())
         assert data["mode"] == "smoke"
         assert data["machine"]["cores"] >= 1
