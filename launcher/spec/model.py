@@ -27,10 +27,11 @@ from pydantic import (
     model_validator,
 )
 
-from launcher.spec.entrypoint import check_entrypoint
 from launcher.errors import SpecError
+from launcher.fieldtypes import Real
 from launcher.records import BackendName
-from launcher.spec.validation import Real, field_label, located_problems
+from launcher.spec.entrypoint import check_entrypoint
+from launcher.spec.validation import field_label, located_problems
 from launcher.spec.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

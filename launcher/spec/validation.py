@@ -1,5 +1,4 @@
-"""pydantic's validation errors, as one line per wrong field: ``FILE:LINE: dotted.field: expected ...``,
-and the field types that YAML input needs.
+"""pydantic's validation errors, as one line per wrong field: ``FILE:LINE: dotted.field: expected ...``.
 
 Shared by the job spec, a workload's ``params`` and the cluster file, so that every bad input
 reads the same way, with a "did you mean" for misspelt keys.
@@ -9,23 +8,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Annotated, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
-from pydantic import BaseModel, BeforeValidator, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from launcher.spec.yamlsource import SourcedData
 
 Loc = tuple[Any, ...]
-
-
-def _number(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("expected a valid number")  # `run_s: yes` is a mistake, not 1 s
-    return value
-
-
-# A float field as YAML users write one: 60, 1.5 and 1e-3 (which YAML 1.1 reads as text); never a boolean.
-Real = Annotated[float, BeforeValidator(_number)]
 
 
 def located_problems(

@@ -23,31 +23,11 @@ from typing import Any, Literal, Mapping
 from pydantic import ValidationInfo, field_validator
 
 from launcher.runtime.devices import usable_cpu_count
+from launcher.workloads.measure import host_barrier_group, machine_state, torch_dtype, trial_loop
+from launcher.workloads.params import Count, DtypeName, NonNegative, Positive, Sizes, WorkloadParams
+from launcher.workloads.plotting import devices_label, integer_ticks, legend_below, save_figure, values, yerr
+from launcher.workloads.stats import Stat, flags_for, ok_ranks, rnd, span, stat
 
-from launcher.workloads._common import (
-    Count,
-    DtypeName,
-    NonNegative,
-    Positive,
-    Sizes,
-    Stat,
-    WorkloadParams,
-    devices_label,
-    flags_for,
-    host_barrier_group,
-    integer_ticks,
-    legend_below,
-    machine_state,
-    ok_ranks,
-    rnd,
-    save_figure,
-    span,
-    stat,
-    torch_dtype,
-    trial_loop,
-    values,
-    yerr,
-)
 
 class Params(WorkloadParams):
     sizes: Sizes = (16, 64, 256, 1024, 2048)
@@ -200,7 +180,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             }
         )
     gpu_measured = bool(gpu_ranks)
-    cpu_threads = sorted({(r.get("result") or {}).get("cpu_threads") for r in cpu_ranks} - {None})
+    cpu_threads = sorted({int(t) for r in cpu_ranks if (t := (r.get("result") or {}).get("cpu_threads")) is not None})
     return {
         "title": "n x n matmul, CPU vs GPU: \u00b5s per multiplication (median of trials)",
         "columns": ["size", "iters", "cpu_us", "cpu_us_range", "cpu_gflops", "gpu_us", "gpu_us_range", "speedup", "note"],

@@ -33,38 +33,12 @@ from typing import Any, Mapping
 
 from pydantic import Field
 
-from launcher.workloads._common import (
-    NOISY_SPREAD,
-    SUPERLINEAR,
-    Count,
-    DtypeName,
-    NonNegative,
-    Real,
-    Sizes,
-    Stat,
-    ThreadsPerRank,
-    WorkloadParams,
-    busy_stages,
-    flags_for,
-    host_barrier_group,
-    integer_ticks,
-    legend_below,
-    load_words,
-    machine_state,
-    pct,
-    rnd,
-    save_figure,
-    set_threads,
-    span,
-    sync,
-    stat,
-    stat_fields,
-    threads_words,
-    torch_dtype,
-    trial_loop,
-    values,
-    yerr,
-)
+from launcher.fieldtypes import Real
+from launcher.workloads.fairness import busy_stages, load_words, threads_words
+from launcher.workloads.measure import host_barrier_group, machine_state, set_threads, sync, torch_dtype, trial_loop
+from launcher.workloads.params import Count, DtypeName, NonNegative, Sizes, ThreadsPerRank, WorkloadParams
+from launcher.workloads.plotting import integer_ticks, legend_below, save_figure, values, yerr
+from launcher.workloads.stats import NOISY_SPREAD, SUPERLINEAR, Stat, flags_for, pct, rnd, span, stat, stat_fields
 
 
 class Params(WorkloadParams):
@@ -161,7 +135,9 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     scaling efficiency with its range, flags, and conclusions that claim nothing flagged."""
     p = Params.model_validate(params)
     done = [s for s in stages if s["status"] == "succeeded" and any(r.get("status") == "ok" for r in s["ranks"])]
-    device, threads, policy, cores = "?", {}, set(), None
+    device, cores = "?", None
+    threads: dict[int, int | None] = {}
+    policy: set[str] = set()
     totals: dict[tuple[int, int], tuple[Stat | None, list[Stat]]] = {}
     for stage in done:
         ws = stage["world_size"]
@@ -182,10 +158,10 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             total, per_rank = totals.get((ws, n), (None, []))
             if total is None:
                 continue
-            base = totals.get((base_ws, n), (None, []))[0]
+            base = totals[(base_ws, n)][0] if base_ws is not None else None
             rows.append(_row(ws, n, total, per_rank, base, base_ws, threads.get(ws), busy.get(ws)))
     fair_words, fair = threads_words(threads, policy, cores, device)
-    load, busy = load_words(done)
+    load, was_busy = load_words(done)
     concurrency = _concurrency_rows(stages, p)
     return {
         "title": "matmul throughput and scaling (median of trials)",
@@ -201,7 +177,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
                    f"median) > {NOISY_SPREAD:.0%}, "
                    f"super-linear: efficiency > {SUPERLINEAR:.2f}; busy: other load than the job's own ranks above "
                    "half the cores (1-minute load average)"),
-        "conclusions": _conclusions(rows, p, base_ws, device, fair_words, fair, load, busy, concurrency),
+        "conclusions": _conclusions(rows, p, base_ws, device, fair_words, fair, load, was_busy, concurrency),
     }
 
 
@@ -296,10 +272,10 @@ def _concurrency_rows(stages: list[dict[str, Any]], p: Params) -> list[dict[str,
         seq = times[0].get("concurrent/sequential") or []
         par0, par1 = times[0].get("concurrent/parallel") or [], times[1].get("concurrent/parallel") or []
         trials = min(len(seq), len(par0), len(par1))
-        if not trials:
-            continue
         # both started together: the pair is done when the slower one is
         seq_s, par_s = stat(seq[:trials]), stat(max(a, b) for a, b in zip(par0[:trials], par1[:trials]))
+        if seq_s is None or par_s is None:  # no trial of both
+            continue
         speedup = seq_s.median / par_s.median if par_s.median > 0 else None
         lo = seq_s.min / par_s.max if par_s.max > 0 else None
         hi = seq_s.max / par_s.min if par_s.min > 0 else None

@@ -24,24 +24,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from launcher.workloads._common import (
-    Count,
-    DtypeName,
-    NonNegative,
-    SyncCounter,
-    WorkloadParams,
-    devices_label,
-    flags_for,
-    machine_state,
-    ok_ranks,
-    rnd,
-    save_figure,
-    span,
-    stat,
-    torch_dtype,
-    wall_clock,
-    yerr,
-)
+from launcher.workloads.measure import machine_state, torch_dtype, wall_clock
+from launcher.workloads.params import Count, DtypeName, NonNegative, WorkloadParams
+from launcher.workloads.plotting import devices_label, save_figure, yerr
+from launcher.workloads.stats import flags_for, ok_ranks, rnd, span, stat
+from launcher.workloads.synccount import SyncCounter
 
 
 class Params(WorkloadParams):
@@ -129,7 +116,9 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     ranks = ok_ranks(stages)
     p = Params.model_validate(params)
     steps = p.steps
-    per_rank, walls, trials = [], {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
+    per_rank = []
+    walls: dict[str, list[float | None]] = {v: [] for v in VARIANTS}
+    trials: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in ranks:
         res = r.get("result") or {}
         times = r.get("metrics", {}).get("times_ms", {})

@@ -30,30 +30,12 @@ from typing import Annotated, Any, Mapping
 
 from pydantic import Field, StrictInt
 
-from launcher.workloads._common import (
-    Count,
-    NonNegative,
-    Positive,
-    Stat,
-    ThreadsPerRank,
-    WorkloadParams,
-    busy_stages,
-    devices_label,
-    flags_for,
-    integer_ticks,
-    legend_below,
-    load_words,
-    machine_state,
-    pct,
-    rnd,
-    save_figure,
-    set_threads,
-    span,
-    stat,
-    threads_words,
-    values,
-    yerr,
-)
+from launcher.workloads.fairness import busy_stages, load_words, threads_words
+from launcher.workloads.measure import machine_state, set_threads
+from launcher.workloads.params import Count, NonNegative, Positive, ThreadsPerRank, WorkloadParams
+from launcher.workloads.plotting import devices_label, integer_ticks, legend_below, save_figure, values, yerr
+from launcher.workloads.stats import Stat, flags_for, pct, rnd, span, stat
+
 
 class Params(WorkloadParams):
     n_train: Count = 32768  # generated samples: nothing is downloaded
@@ -116,7 +98,7 @@ def run(ctx: Any) -> dict[str, Any]:
 
     x, y = make_dataset(p.n_train, features, classes, seed, split=0)
     train = TensorDataset(x, y)
-    sampler = DistributedSampler(train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True)
     loader = DataLoader(train, batch_size=p.batch_size, sampler=sampler, pin_memory=cuda)
     loss_fn = nn.CrossEntropyLoss()
     epochs = range(start_epoch, p.epochs)
@@ -240,8 +222,7 @@ def _epoch_trials(ranks: list[dict[str, Any]]) -> tuple[Stat | None, Stat | None
         return None, None, [], None
     warm = 1 if epochs >= 2 else 0  # the run's first epoch pays for allocations and DDP's set-up
     totals = [sum(samples) / (max(t[e] for t in times) / 1e3) for e in range(epochs)]
-    per_rank = [stat(n / (ms / 1e3) for ms in t[warm:] if ms > 0) for t, n in zip(times, samples)]
-    per_rank = [x for x in per_rank if x is not None]
+    per_rank = [s for t, n in zip(times, samples) if (s := stat(n / (ms / 1e3) for ms in t[warm:] if ms > 0)) is not None]
     medians = sorted(x.median for x in per_rank)
     rank_med = stat([medians[len(medians) // 2]]) if medians else None
     return stat(totals[warm:]), rank_med, per_rank, (totals[0] if warm else None)
@@ -251,7 +232,9 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     """Samples/s per rank and in total per world size (median of the timed epochs, min-max), scaling
     efficiency with its range and flags, the reduced loss/accuracy, the checkpoint checks."""
     rows, curves, totals = [], {}, {}
-    threads, policy, cores, device = {}, set(), None, "?"
+    cores, device = None, "?"
+    threads: dict[int, int | None] = {}
+    policy: set[str] = set()
     done = []
     for stage in stages:
         ranks = sorted((r for r in stage["ranks"] if r.get("status") == "ok"), key=lambda r: r["rank"])
@@ -318,7 +301,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
         row["flags"], row["note"] = flags_for(row["spread"], eff if row is not base else None,
                                               trials=row["timed_epochs"] or None, busy=busy.get(row["workers"]))
     fair_words, fair = threads_words(threads, policy, cores, device)
-    load, busy = load_words(done)
+    load, was_busy = load_words(done)
     return {
         "title": "DDP training: samples/s (sps) per rank and in total (median of timed epochs); metrics reduced at the end",
         "columns": ["workers", "rank_sps", "total_sps", "total_sps_range", "efficiency", "test_acc", "ckpt_ok", "note"],
@@ -327,7 +310,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
         "checkpoints_ok": bool(rows) and all(r["ckpt_ok"] for r in rows),
         "like_for_like": fair,
         "threads_per_rank": {str(ws): t for ws, t in sorted(threads.items())},
-        "conclusions": _conclusions(rows, fair_words, fair, load, busy),
+        "conclusions": _conclusions(rows, fair_words, fair, load, was_busy),
     }
 
 

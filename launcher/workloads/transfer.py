@@ -22,29 +22,14 @@ median of the trials with their min-max, and flags noisy figures.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from launcher.workloads._common import (
-    Count,
-    NonNegative,
-    PositiveSizes,
-    WorkloadParams,
-    devices_label,
-    flags_for,
-    host_barrier_group,
-    legend_below,
-    machine_state,
-    ok_ranks,
-    rnd,
-    save_figure,
-    span,
-    stat,
-    trial_loop,
-    values,
-    wall_clock,
-    yerr,
-)
+from launcher.workloads.measure import host_barrier_group, machine_state, trial_loop, wall_clock
+from launcher.workloads.params import Count, NonNegative, PositiveSizes, WorkloadParams
+from launcher.workloads.plotting import devices_label, legend_below, save_figure, values, yerr
+from launcher.workloads.stats import flags_for, ok_ranks, rnd, span, stat
 
 
 class Params(WorkloadParams):
@@ -102,28 +87,28 @@ def run(ctx: Any) -> dict[str, Any]:
                     pinned = host.pin_memory()
                     on_dev = host.to(dev)
                     pinned_out = torch.empty_like(host).pin_memory()
-                    measure(f"h2d/pageable/{mb:g}", lambda host=host: host.to(dev))
-                    measure(f"h2d/pinned/{mb:g}", lambda pinned=pinned: pinned.to(dev, non_blocking=True))
-                    measure(f"d2h/pageable/{mb:g}", lambda on_dev=on_dev: on_dev.to("cpu"))
-                    measure(f"d2h/pinned/{mb:g}", lambda out_=pinned_out, on_dev=on_dev: out_.copy_(on_dev, non_blocking=True))
+                    measure(f"h2d/pageable/{mb:g}", partial(host.to, dev))
+                    measure(f"h2d/pinned/{mb:g}", partial(pinned.to, dev, non_blocking=True))
+                    measure(f"d2h/pageable/{mb:g}", partial(on_dev.to, "cpu"))
+                    measure(f"d2h/pinned/{mb:g}", partial(pinned_out.copy_, on_dev, non_blocking=True))
                     out["pinned_is_pinned"] = bool(pinned.is_pinned() and pinned_out.is_pinned())
                     out["measured"] += [f"{k}/{mb:g}" for k in GPU_KINDS]
                 else:
                     dst = torch.empty_like(host)
-                    measure(f"h2h/memcpy/{mb:g}", lambda dst=dst, host=host: dst.copy_(host))
+                    measure(f"h2h/memcpy/{mb:g}", partial(dst.copy_, host))
                     out["measured"].append(f"h2h/memcpy/{mb:g}")
             if dev.type == "cuda" and ctx.local_rank == 0 and torch.cuda.device_count() >= 2:
                 out["peer_access"] = bool(torch.cuda.can_device_access_peer(0, 1))
                 for mb in sizes:
                     src = torch.randn(_numel(mb), device="cuda:0")
-                    measure(f"d2d/peer/{mb:g}", lambda src=src: (src.to("cuda:1"), torch.cuda.synchronize("cuda:1")), events=False)
+                    measure(f"d2d/peer/{mb:g}", partial(_to_second_gpu, torch, src), events=False)
                     out["measured"].append(f"d2d/peer/{mb:g}")
         dist.barrier(group=quiet)
     if ctx.world_size >= 2 and ctx.rank in (0, 1):
         for mb in sizes:
             buf = torch.randn(_numel(mb), device=dev)
             if ctx.rank == 0:
-                measure(f"pg/pingpong/{mb:g}", lambda buf=buf: _ping(dist, buf), events=False)
+                measure(f"pg/pingpong/{mb:g}", partial(_ping, dist, buf), events=False)
                 out["measured"].append(f"pg/pingpong/{mb:g}")
             else:
                 for _ in range(warmup + repeats):
@@ -133,6 +118,12 @@ def run(ctx: Any) -> dict[str, Any]:
     out["pg_backend"] = ctx.pg_backend
     out["machine_end"] = machine_state()
     return out
+
+
+def _to_second_gpu(torch: Any, src: Any) -> None:
+    """A peer copy, timed on the host: it is done when cuda:1 has it."""
+    src.to("cuda:1")
+    torch.cuda.synchronize("cuda:1")
 
 
 def _ping(dist: Any, buf: Any) -> None:
@@ -202,7 +193,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             )
     identity = {r["rank"] if len(stages) == 1 else f"{r['world_size']}:{r['rank']}": (r.get("result") or {}).get("identity") for r in ranks}
     identity_ok = bool(identity) and all(v and all(v.values()) for v in identity.values())
-    pg = sorted({(r.get("result") or {}).get("pg_backend") for r in ranks} - {None})
+    pg = sorted({str(b) for r in ranks if (b := (r.get("result") or {}).get("pg_backend"))})
     pingpong_hosts = {r["host"] for r in ranks if r["rank"] in (0, 1) and r["world_size"] >= 2}
     not_measured = [] if on_cuda else [DESCRIPTIONS[k] for k in GPU_KINDS] + [DESCRIPTIONS["d2d/peer"]]
     if on_cuda and not any(r["kind"] == "d2d/peer" for r in rows):

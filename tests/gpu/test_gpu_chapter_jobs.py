@@ -52,7 +52,7 @@ def test_recorder_never_syncs_and_item_always_does():
 def test_sync_counter_sees_one_sync_per_item():
     import torch
 
-    from launcher.workloads._common import SyncCounter
+    from launcher.workloads.synccount import SyncCounter
 
     dev = torch.device("cuda:0")
     a = torch.randn(64, 64, device=dev)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from launcher.workloads import _common, cpu_vs_gpu, matmul, sync_logging, train, transfer
-from launcher.workloads._common import NOISY_SPREAD, flags_for, span, stat
+from launcher.workloads import cpu_vs_gpu, measure, matmul, sync_logging, train, transfer
+from launcher.workloads.stats import NOISY_SPREAD, flags_for, span, stat
 
 N, ITERS = 100, 10
 FLOP = 2 * N**3 * ITERS  # one trial of ITERS matmuls of N x N
@@ -299,23 +299,23 @@ def test_trial_loop_runs_the_count_then_extends_to_the_time_budget():
     import torch
 
     cpu = torch.device("cpu")
-    assert list(_common.trial_loop(cpu, 3, together=False)) == [0, 1, 2]
+    assert list(measure.trial_loop(cpu, 3, together=False)) == [0, 1, 2]
     import time
 
     start = time.perf_counter()
     n = 0
-    for _ in _common.trial_loop(cpu, 1, 0.05, together=False):
+    for _ in measure.trial_loop(cpu, 1, 0.05, together=False):
         time.sleep(0.011)
         n += 1
     assert n >= 4 and time.perf_counter() - start >= 0.05
-    assert n <= _common.MAX_TRIALS
+    assert n <= measure.MAX_TRIALS
 
 
 def test_error_bars_are_never_negative_where_rounding_crosses_the_median():
     """cpu_vs_gpu's throughput bars come from rounded figures: with the trials all but equal, the
     bound computed from the rounded time passed the rounded median and matplotlib refused the
     plot ("'yerr' must not contain negative values")."""
-    from launcher.workloads._common import yerr
+    from launcher.workloads.plotting import yerr
 
     rows = [{"v": 91.6, "v_min": 91.60004, "v_max": 91.59998}, {"v": 10.0, "v_min": 9.0, "v_max": 12.0}, {"v": None}]
     lo, hi = yerr(rows, "v")
