@@ -31,6 +31,7 @@ class TerminalRun:
                  **(env or {})},
         )  # fmt: skip
         self.text = ""
+        self.last_scrape = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -48,6 +49,7 @@ class TerminalRun:
         url = self.metrics_url()
         assert url, self.text[-2000:]
         done = subprocess.run(self.cluster.ns_cmd(sys.executable, "-c", SCRAPE, url), capture_output=True, text=True, timeout=30)
+        self.last_scrape = done.stdout  # the exposition as Prometheus reads it, for a test's log
         out: dict = {}
         for m in re.finditer(r'^(gpulaunch_\w+)\{([^}]*)\} (\S+)$', done.stdout, re.M):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))

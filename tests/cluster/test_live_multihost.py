@@ -52,6 +52,7 @@ def test_every_rank_on_two_remote_hosts_is_live_on_the_launching_machine(netns_c
         first = _steps_of_every_rank(run, time.monotonic() + 90)
         time.sleep(2.0)
         second = run.scrape()
+        second_text = run.last_scrape
         flagged_live = run.scrape().get("gpulaunch_straggler", {})
         for _ in range(20):  # the flag needs straggler_hold_s of steady figures after the warm-up
             if flagged_live.get(("3", "h2")) == 1.0 or run.proc.poll() is not None:
@@ -84,4 +85,6 @@ def test_every_rank_on_two_remote_hosts_is_live_on_the_launching_machine(netns_c
     # flagged within straggler_hold_s + 5 s of the ranks' first step (its figure needs 20 steps first)
     stepping_for = flag["flagged_after_s"] - stage["phases"]["to_first_step"]
     assert 0 < stepping_for < 1.0 + 5.0, (flag, stage["phases"])
-    print(f"live from two remote hosts: steps grew by {grown} in 2 s; rank 3 flagged {stepping_for:.1f} s after the first step")  # noqa: T201
+    excerpt = "\n".join(line for line in second_text.splitlines() if line.startswith(("gpulaunch_steps_total{", "gpulaunch_rank_state{")))
+    print(f"live from two remote hosts: steps grew by {grown} in 2 s; rank 3 flagged {stepping_for:.1f} s after the first step\n"  # noqa: T201
+          f"{excerpt}\nstraggler gauge while live: {flagged_live}")
