@@ -100,6 +100,21 @@ class StagePaths:
     def agent_log_dir(self, node_rank: int) -> Path:
         return self.torchelastic / f"node{node_rank}"
 
+    @property
+    def hang_dir(self) -> Path:
+        """A stalled stage's evidence (on each rank's host while it is gathered; on the launching
+        machine, every rank's, once it is)."""
+        return self.root / "hang"
+
+    @property
+    def hang_request(self) -> Path:
+        """Created on a rank's host to ask its ranks for their own account of a stall (their
+        flight recorder's last collectives, their threads' stacks)."""
+        return self.hang_dir / "request"
+
+    def rank_account(self, rank: int) -> Path:
+        return self.hang_dir / f"account_rank{rank}.json"
+
 
 @dataclass(frozen=True)
 class WorkerConfig:

@@ -41,6 +41,7 @@ class RunStatus(str, enum.Enum):
     FAILED = "failed"
     TIMEOUT = "timeout"
     INTERRUPTED = "interrupted"
+    HUNG = "hung"  # its ranks stopped making progress for timeouts.hang_s
 
     @property
     def terminal(self) -> bool:
@@ -57,12 +58,14 @@ class FailureReason(str, enum.Enum):
     TIMEOUT = "timeout"  # timeouts.run_s ran out
     INTERRUPTED = "interrupted"  # Ctrl-C, SIGTERM, a stop request
     NOT_STARTED = "not_started"  # a stage could not start (a host, a port, an agent)
+    HUNG = "hung"  # no progress for timeouts.hang_s: the culprits named from every rank's evidence
 
     @property
     def status(self) -> RunStatus:
         return {
             FailureReason.TIMEOUT: RunStatus.TIMEOUT,
             FailureReason.INTERRUPTED: RunStatus.INTERRUPTED,
+            FailureReason.HUNG: RunStatus.HUNG,
         }.get(self, RunStatus.FAILED)
 
 
@@ -124,15 +127,81 @@ class Failure:
     root_cause: RootCause | None = None
     collateral_ranks: tuple[int, ...] = ()
     stuck_ranks: tuple[int, ...] = ()
+    hang: HangDiagnosis | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "reason": self.reason.value,
             "summary": self.summary,
             "root_cause": self.root_cause.to_dict() if self.root_cause else None,
             "collateral_ranks": list(self.collateral_ranks),
             "stuck_ranks": list(self.stuck_ranks),
         }
+        if self.hang is not None:
+            data["hang"] = self.hang.to_dict()
+        return data
+
+
+@dataclass(frozen=True)
+class HangCulprit:
+    """A rank that holds a hung stage up, and why it is the odd one out."""
+
+    rank: int
+    host: str
+    device: str
+    why: str  # "has not reached all_reduce #12", "is frozen (stopped)", "is in a different collective"
+    where: str  # "train.py:88 time.sleep(3600)": the innermost line of the job's own code
+    file: str = ""
+    line: int = 0
+    collective_seq: int | None = None  # its flight recorder's last collective
+
+    def describe(self) -> str:
+        return f"rank {self.rank} on {self.host} ({self.device}) {self.why}" + (f" — it is at {self.where}" if self.where else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "device": self.device, "why": self.why, "where": self.where,
+                "file": self.file, "line": self.line, "collective_seq": self.collective_seq}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HangGroup:
+    """Ranks found at the same place: the same line of the job's code, the same collective."""
+
+    ranks: tuple[int, ...]
+    where: str
+    collective: str | None = None  # "all_reduce #12" where they wait in one
+    state: str = ""  # "stopped" for frozen processes, "gone" for ranks that had ended
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranks": list(self.ranks), "where": self.where, "collective": self.collective, "state": self.state}
+
+
+@dataclass(frozen=True)
+class HangDiagnosis:
+    """A hung stage, explained: the culprits first, every rank grouped by where it was."""
+
+    summary: str  # the console's one line, after "HUNG: "
+    stalled_for_s: float
+    detected_after_s: float  # seconds into the stage
+    culprits: tuple[HangCulprit, ...]
+    groups: tuple[HangGroup, ...]
+    evidence_dir: str = ""  # world<N>/hang on the launching machine: every rank's stacks and collectives
+    gather_s: float = 0.0  # how long gathering the evidence took
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "summary": self.summary, "stalled_for_s": round(self.stalled_for_s, 1), "detected_after_s": round(self.detected_after_s, 1),
+            "culprits": [c.to_dict() for c in self.culprits], "groups": [g.to_dict() for g in self.groups],
+            "evidence_dir": self.evidence_dir, "gather_s": round(self.gather_s, 2),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    """When a stage counts as hung (``hang_s`` without progress; None: never) and what follows."""
+
+    hang_s: float | None = 300.0
+    on_hang: str = "stop"  # "stop" | "restart"
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,15 @@ from typing import Any, Iterator
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from launcher.errors import BackendError, LauncherError, PlanError
+from launcher.evidence import RankEvidence
 from launcher.procutil import cmdline, descendants, kill_now, pid_alive, process_start_ticks, wait_gone
 from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, RankProgress, RankReport
 from launcher.records import RankExit
 from launcher.runtime.devices import GpuInfo, NodeInventory
+from launcher.runtime.hangdump import gather_as_dicts
 from launcher.runtime.ray_actor import RankActor
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
 from launcher.stage.events import RankBeacon, RankExited, RankReported, RanksLost
@@ -45,6 +47,7 @@ CONNECT_ENV = ENV_RAY_CONNECT  # set by launcher.backends.ray_jobs: connect to t
 TORCHRUN_SCRIPT_ENV = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DRAIN_WAIT_S = 0.5
+EVIDENCE_TIMEOUT_S = 30.0  # a task per node: py-spy per rank, the ranks' own accounts (3 s)
 _log = logging.getLogger(__name__)
 
 
@@ -450,6 +453,27 @@ class RayStage(StageHandle):
             names = [n for n in names if _actor_exists(n)]
             if names:
                 time.sleep(0.05)
+
+    def gather_evidence(self) -> list[RankEvidence]:
+        """Every rank's evidence, gathered on its own node by a task pinned there (not by the
+        actor: a frozen or blocked actor cannot answer), the nodes in parallel."""
+        by_node: dict[str, list[int]] = {}
+        for rank, probe in sorted(self._probes.items()):
+            by_node.setdefault(probe["node_id"], []).append(rank)
+        task = ray.remote(num_cpus=0, max_retries=0)(gather_as_dicts)
+        refs = {
+            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                str(self.plan.stage_dir), self._host(ranks[0]), ranks
+            ): ranks
+            for node_id, ranks in by_node.items()
+        }
+        found: list[RankEvidence] = []
+        for ref, ranks in refs.items():
+            try:
+                found += [RankEvidence.from_dict(e) for e in ray.get(ref, timeout=EVIDENCE_TIMEOUT_S)]
+            except (RayError, TimeoutError) as exc:
+                found += [RankEvidence(r, self._host(r), None, "unknown", "none", note=f"not gathered: {_first_line(exc)}") for r in ranks]
+        return sorted(found, key=lambda e: e.rank)
 
     def signal_ranks(self, signum: int) -> None:
         """``signum`` to every rank's actor, wherever in the cluster it runs (SIGUSR1: its stacks

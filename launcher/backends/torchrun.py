@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from launcher.backends.transports import LOCAL, Transport
 from launcher.errors import BackendError
+from launcher.evidence import RankEvidence
 from launcher.procutil import kill_now, stage_worker_pids, stop_groups
 from launcher.protocol import HOST_LOST, LOG_PREFIX_SEPARATOR, PORT_IN_USE_EXIT
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
@@ -179,6 +181,13 @@ class TorchrunStage(StageHandle):
     def signal_ranks(self, signum: int) -> None:
         for transport, nodes in self._transports().items():
             transport.signal(self.plan, [n for n in nodes if n.host not in self._lost], signum)
+
+    def gather_evidence(self) -> list[RankEvidence]:
+        """Every live host's evidence, each through its own transport, the hosts in parallel."""
+        work = [(transport, node) for transport, nodes in self._transports().items() for node in nodes if node.host not in self._lost]
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(work)))) as pool:
+            found = pool.map(lambda tn: tn[0].evidence(self.plan, tn[1]), work)
+            return sorted((e for host in found for e in host), key=lambda e: e.rank)
 
     def collect(self) -> None:
         for transport, nodes in self._transports().items():

@@ -16,6 +16,7 @@ import subprocess
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Sequence
 
+from launcher.evidence import RankEvidence
 from launcher.procutil import read_json, stage_worker_pids
 from launcher.protocol import ENV_PARENT_PID, RankProgress, RankReport
 from launcher.stage.events import RankBeacon, RankReported, StageEvent
@@ -54,10 +55,21 @@ class Transport(ABC):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
+    def evidence(self, plan: StagePlan, node: NodeSlot) -> list[RankEvidence]:
+        """A stalled stage's evidence from this node's ranks (``launcher.runtime.hangdump``): here,
+        gathered in this process."""
+        from launcher.runtime.hangdump import gather
+
+        return gather(plan.stage_dir, node.host, node_ranks(plan, node))
+
     def collect(self, plan: StagePlan, nodes: Sequence[NodeSlot], logs: LogRouter) -> None:
         """What the live channel may have missed (an agent killed before its last forward): the
         nodes' beacons and reports, read where the ranks wrote them (this machine's disk)."""
         logs.emit(*local_rank_events(plan, [r.rank for r in plan.ranks if r.node_rank in {n.node_rank for n in nodes}]))
+
+
+def node_ranks(plan: StagePlan, node: NodeSlot) -> list[int]:
+    return [r.rank for r in plan.ranks if r.node_rank == node.node_rank]
 
 
 def local_rank_events(plan: StagePlan, ranks: Sequence[int]) -> list[StageEvent]:

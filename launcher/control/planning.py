@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from launcher.errors import PlanError
 from launcher.protocol import StagePaths, WorkerConfig, rank_device
-from launcher.records import StragglerPolicy
+from launcher.records import HangPolicy, StragglerPolicy
 from launcher.stage.plan import NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
 
 if TYPE_CHECKING:  # pydantic and yaml: the planner itself needs neither
@@ -190,6 +190,7 @@ def plan_stage(
         spec_env=spec.env,
         placement=spec.ray.placement,
         stragglers=StragglerPolicy(spec.monitoring.straggler_factor, spec.monitoring.straggler_hold_s),
+        hang=HangPolicy(spec.timeouts.hang_s, spec.timeouts.on_hang),
     )
 
 

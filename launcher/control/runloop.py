@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from launcher.control.diagnosis import explain_failure
+from launcher.control.hangs import Stall, StallWatch, diagnose, stacks_text
 from launcher.control.stagestate import StageState
 from launcher.control.stragglers import StragglerWatch
 from launcher.masking import scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import RankProgress, RankReport, is_peer_loss
-from launcher.records import FailureReason, RunStatus, StageOutcome
+from launcher.records import Failure, FailureReason, HangDiagnosis, RunStatus, StageOutcome
 from launcher.stage.engine import HandleStatus, StageEngine, StageHandle
 from launcher.stage.logrouting import LogRouter
 from launcher.stage.plan import StagePlan
@@ -86,7 +87,8 @@ def run_stage(
             _archive_attempt(plan, f"port-retry{port_retries}")
             events.message(f"rendezvous port {plan.rendezvous.port} was taken before the agent bound it; trying another")
             continue
-        if outcome.ok or outcome.status != RunStatus.FAILED or attempt >= plan.max_restarts or stop:
+        restartable = outcome.status == RunStatus.FAILED or (outcome.status == RunStatus.HUNG and plan.hang.on_hang == "restart")
+        if outcome.ok or not restartable or attempt >= plan.max_restarts or stop:
             outcome.load_avg = {"start": load_at_start, "end": load_average()}
             return outcome
         attempt += 1
@@ -97,7 +99,7 @@ def run_stage(
 def _archive_attempt(plan: StagePlan, folder: str) -> None:
     archive = plan.stage_dir / folder
     archive.mkdir(parents=True, exist_ok=True)  # a rename, not a copy of the logs
-    for src in (plan.paths.reports, plan.paths.progress_dir, plan.paths.logs):
+    for src in (plan.paths.reports, plan.paths.progress_dir, plan.paths.logs, plan.paths.hang_dir):
         if src.exists():
             shutil.move(str(src), str(archive / src.name))
 
@@ -108,6 +110,7 @@ class _Watch:
 
     fate: RunStatus
     status: HandleStatus | None = None
+    hang: HangDiagnosis | None = None
 
 
 def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, events: RunEvents, restarts: int) -> StageOutcome:
@@ -121,7 +124,7 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
     handle: StageHandle | None = None
     try:
         handle = engine.start(plan, logs)  # an engine that cannot start has stopped what it started
-        watch = _watch(handle, state, stop=stop, events=events, stragglers=stragglers)
+        watch = _watch(handle, state, stop=stop, events=events, stragglers=stragglers, stalls=StallWatch(plan.hang))
     finally:
         if handle is not None:
             handle.stop()
@@ -138,7 +141,10 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
     if fate == RunStatus.SUCCEEDED and any(not r.ok for r in reports):
         fate = RunStatus.FAILED
     outcome = StageOutcome(plan.world_size, fate, t0, time.time(), script=plan.script_mode, reports=reports, stragglers=stragglers.flagged)
-    if fate != RunStatus.SUCCEEDED:
+    if watch.hang is not None:
+        culprits = tuple(c.rank for c in watch.hang.culprits)
+        outcome.failure = Failure(FailureReason.HUNG, watch.hang.summary, stuck_ranks=culprits, hang=watch.hang)
+    elif fate != RunStatus.SUCCEEDED:
         reason = {RunStatus.TIMEOUT: FailureReason.TIMEOUT, RunStatus.INTERRUPTED: FailureReason.INTERRUPTED}.get(fate, FailureReason.FAILED)
         outcome.failure = explain_failure(
             reason, reports, state.rank_exits(), detail=status.detail, run_timeout_s=plan.run_timeout_s, stop_reason=stop.reason
@@ -147,9 +153,9 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
     return outcome
 
 
-def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events: RunEvents, stragglers: StragglerWatch) -> _Watch:
-    """Follow the stage's events until the group ends, a rank fails, the run times out or a stop
-    is asked for."""
+def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events: RunEvents, stragglers: StragglerWatch, stalls: StallWatch) -> _Watch:
+    """Follow the stage's events until the group ends, a rank fails, the stage hangs, the run
+    times out or a stop is asked for."""
     plan = handle.plan
     deadline = time.monotonic() + plan.run_timeout_s
     failed_at: float | None = None
@@ -182,7 +188,27 @@ def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events:
                 events.message(change.describe())
             events.progress(progress)
             next_progress = time.monotonic() + PROGRESS_EVERY_S
+            stall = stalls.update(progress)
+            if stall is not None:
+                return _Watch(RunStatus.HUNG, hang=_diagnose_hang(handle, stall, events))
         time.sleep(max(0.0, MIN_TURN_S - (time.monotonic() - turn)))
+
+
+def _diagnose_hang(handle: StageHandle, stall: Stall, events: RunEvents) -> HangDiagnosis:
+    """While the stalled ranks still run: every rank's evidence through the engine's channel,
+    kept in ``world<N>/hang/`` on this machine, and the diagnosis."""
+    events.message(stall.describe())
+    started = time.monotonic()
+    evidence = handle.gather_evidence()
+    gather_s = time.monotonic() - started
+    folder = handle.plan.paths.hang_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    for e in evidence:
+        write_json_atomic(folder / f"evidence_rank{e.rank}.json", e.to_dict())
+    (folder / "stacks.txt").write_text(stacks_text(evidence))
+    diagnosis = diagnose(stall, evidence, handle.plan.ranks, gather_s=gather_s, evidence_dir=str(folder))
+    write_json_atomic(folder / "diagnosis.json", diagnosis.to_dict())
+    return diagnosis
 
 
 def _store_beacons(plan: StagePlan, state: StageState) -> None:

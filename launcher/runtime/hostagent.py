@@ -6,7 +6,7 @@ every remote host, before and around the ranks, and never imports the control si
 - ``serve``: the host's helper for a whole run, on the one SSH connection the launcher opens to
   the host (the connection's first session; the agents' sessions share it, multiplexed). It
   answers requests (one JSON line each on stdin: ``preflight``, ``free-port``, ``prepare``,
-  ``fetch``, ``signal``) with one tagged JSON line each on stdout, and writes a heartbeat line every second,
+  ``fetch``, ``signal``, ``evidence``) with one tagged JSON line each on stdout, and writes a heartbeat line every second,
   by which the launcher tells a live host from a lost one. It exits when the launcher closes its
   stdin, or says nothing (requests or pings) for ``--silence-s`` seconds.
 - ``agent``: the wrapper around one torchrun agent. It reads one JSON line on stdin (the node's
@@ -128,6 +128,13 @@ def do_signal(stage: str, signum: int) -> dict[str, Any]:
     return {"ranks": sorted(sent)}
 
 
+def do_evidence(stage: str, host: str, ranks: list[int]) -> dict[str, Any]:
+    """A stalled stage's evidence from this host's ranks (``launcher.runtime.hangdump``)."""
+    from launcher.runtime.hangdump import gather_as_dicts
+
+    return {"evidence": gather_as_dicts(stage, host, ranks)}
+
+
 def do_fetch(stage: str, ranks: list[int]) -> dict[str, Any]:
     paths = StagePaths(Path(stage))
     files = {}
@@ -146,6 +153,7 @@ REQUESTS: dict[str, Callable[..., dict[str, Any]]] = {
     "prepare": do_prepare,
     "fetch": do_fetch,
     "signal": do_signal,
+    "evidence": do_evidence,
 }
 
 

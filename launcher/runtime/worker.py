@@ -44,6 +44,7 @@ from launcher.protocol import (  # noqa: E402
     is_peer_loss,
     rank_device,
 )
+from launcher.runtime.hangdump import RankAccount, enable_flight_recorder  # noqa: E402
 
 
 class ProgressBeacon:
@@ -63,6 +64,7 @@ class ProgressBeacon:
         self._interval = interval_s
         self._identity = {"pid": os.getpid(), "pid_start": process_start_ticks()}  # see stage_worker_pids
         self._thread = threading.Thread(target=self._loop, name="gpulaunch-progress", daemon=True)
+        self.on_tick: Callable[[], None] = lambda: None  # after each write (a stall's request is answered here)
 
     def start(self) -> None:
         self.write()
@@ -88,10 +90,20 @@ class ProgressBeacon:
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
             self.write()
+            try:
+                self.on_tick()
+            except Exception:  # noqa: BLE001 - the beacon must outlive a failed answer
+                pass
 
     def stop(self) -> None:
         self._stop.set()
         self.write()
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def _error(exc: BaseException) -> RankError:
@@ -131,6 +143,7 @@ class _Rank:
         self.report = _new_report(config, env, phases)
         self.paths = StagePaths(Path(config.stage_dir))
         self.beacon = ProgressBeacon(self.paths.progress(self.report.rank))
+        self.beacon.on_tick = RankAccount(self.paths, self.report.rank).maybe_answer
         self.recorder: Any = None
         self.dist: Any = None
         self.undo_ddp_timing: Callable[[], None] = lambda: None
@@ -166,6 +179,7 @@ class _Rank:
         joined = _rendezvous(self.dist, self.config)
         self.phases["joined"] = time.time()  # every rank has arrived
         self.beacon.set_phase("pg_init")
+        enable_flight_recorder(_torch_version())  # which collective each rank is in, should the stage stall
         _init_group(self.dist, self.config, device, *joined)
         self.phases["pg_ready"] = time.time()
 
@@ -238,6 +252,7 @@ def run_rank(
         entry, device = rank.prepare(step_hooks)
         if entry is None:
             rank.beacon.set_phase("running")
+            enable_flight_recorder(_torch_version())  # read when the script makes its process group
             _run_script(config)
         else:
             rank.join_group(device)

@@ -101,6 +101,13 @@ class Timeouts(_Frozen):
     # How long a collective may wait for its slowest rank (a rank saving a checkpoint while the
     # others wait in an all-reduce); None keeps torch's default for the process-group backend.
     collective_s: Real | None = Field(None, gt=0, le=30 * 86_400)
+    # A stage whose ranks have been counting steps and none advanced for this long (or some fell
+    # behind the rest, or went silent) is hung: its evidence is gathered from every rank and the
+    # culprit named. Well under torch's collective timeouts (NCCL 10 min, gloo 30); null: off.
+    hang_s: Real | None = Field(300, gt=0, le=30 * 86_400)
+    # What a hang does then: "stop" the run (exit 1, results kept) or "restart" the group
+    # (counts against max_restarts; each attempt's diagnosis is kept).
+    on_hang: Literal["stop", "restart"] = "stop"
 
 
 class RaySettings(_Frozen):

@@ -16,11 +16,13 @@ call (see README, "Adding an engine"). Neither seam imports the control side.
 from __future__ import annotations
 
 import contextlib
+import signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Mapping
 
+from launcher.evidence import RankEvidence
 from launcher.stage.events import StageEvent
 
 if TYPE_CHECKING:
@@ -81,6 +83,14 @@ class StageHandle(ABC):
     def signal_ranks(self, signum: int) -> None:
         """Send ``signum`` to every live rank, on every host the engine reaches (SIGUSR1: each
         rank dumps its stacks into its log, on a hang)."""
+
+    def gather_evidence(self) -> list[RankEvidence]:
+        """A stalled stage's evidence from every rank, on every host, through the engine's own
+        channel (``launcher.runtime.hangdump`` run where the ranks are): stacks read from outside,
+        each rank's last collectives. The ranks keep running. An engine that cannot reach its
+        ranks' hosts this way has each rank dump its stacks into its log (SIGUSR1) and returns none."""
+        self.signal_ranks(signal.SIGUSR1)
+        return []
 
     def collect(self) -> None:
         """After ``stop``: bring the stage's files back where they stayed on other hosts, and

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from launcher.masking import mask_env
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_STAGE_DIR, StagePaths, WorkerConfig, rank_device
-from launcher.records import StragglerPolicy
+from launcher.records import HangPolicy, StragglerPolicy
 from launcher.runtime.devices import GpuInfo, NodeInventory
 
 if TYPE_CHECKING:  # pydantic: the plan itself needs none of it
@@ -85,6 +85,7 @@ class StagePlan:
     # how a backend that places ranks itself (Ray) spreads them: pack | spread | strict_pack | strict_spread
     placement: str = "pack"
     stragglers: StragglerPolicy = StragglerPolicy()
+    hang: HangPolicy = HangPolicy()
 
     @property
     def stage_dir(self) -> Path:

@@ -143,6 +143,8 @@ def failure_renderables(failure: Mapping[str, Any], *, traceback_shown: bool = F
     ``traceback_shown``: it already scrolled by as the rank's output), who was stopped because of it."""
     if failure.get("reason") == "interrupted":
         return [Text(f"INTERRUPTED: {failure['summary']}; every rank was stopped, and what had finished is kept", style="bold yellow")]
+    if failure.get("reason") == "hung" and failure.get("hang"):
+        return hang_renderables(failure["hang"])
     out: list[Any] = [Text(f"FAILED: {failure['summary']}", style="bold red")]
     root = failure.get("root_cause")
     if root:
@@ -161,6 +163,18 @@ def failure_renderables(failure: Mapping[str, Any], *, traceback_shown: bool = F
         out.append(Text(f"stopped as collateral: ranks {failure['collateral_ranks']}", style="yellow"))
     if failure.get("stuck_ranks"):
         out.append(Text(f"stuck ranks (stacks dumped to their logs): {failure['stuck_ranks']}", style="yellow"))
+    return out
+
+
+def hang_renderables(hang: Mapping[str, Any]) -> list[Any]:
+    """A hung stage: the culprits in one line, then every group of ranks by where it was."""
+    out: list[Any] = [Text(f"HUNG: {hang['summary']}", style="bold red")]
+    for group in hang.get("groups") or ():
+        ranks = ", ".join(map(str, group["ranks"]))
+        state = f" ({group['state']})" if group.get("state") else ""
+        inside = f"in {group['collective']} " if group.get("collective") else ""
+        out.append(Text(f"  ranks [{ranks}]{state}: {inside}at {group['where']}"))
+    out.append(Text(f"stalled {hang['stalled_for_s']:.0f} s; every rank's stacks and last collectives: {hang['evidence_dir']}", style="dim"))
     return out
 
 

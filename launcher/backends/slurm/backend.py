@@ -11,6 +11,7 @@ own: a node lost mid-run (its ranks fell silent and its slurmd does not answer),
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from launcher.backends.slurm import commands
 from launcher.backends.slurm.script import srun_argv
 from launcher.backends.torchrun import TorchrunEngine, TorchrunStage, agent_argv
-from launcher.backends.transports import Transport
+from launcher.backends.transports import Transport, node_ranks
 from launcher.errors import BackendError, PlanError
+from launcher.evidence import RankEvidence
 from launcher.procutil import signal_group, stop_groups
 from launcher.protocol import ENV_PARENT_PID, NODE_LOST
 from launcher.runtime.devices import NodeInventory, discover
@@ -43,6 +45,7 @@ REPORT_GRACE_S = 3.0  # a step that ended 0 has this long for its ranks' reports
 # its slurmd's answer decides (a busy filesystem delays beacons, it does not lose a node).
 SILENT_S = 4.0
 CHECK_EVERY_S = 1.0
+EVIDENCE_TIMEOUT_S = 30.0  # an evidence step: srun's start, py-spy per rank, the ranks' accounts (3 s)
 
 
 class SrunTransport(Transport):
@@ -67,6 +70,20 @@ class SrunTransport(Transport):
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C and scancel reach the launcher, which decides teardown
         )
+
+    def evidence(self, plan: StagePlan, node: NodeSlot) -> list[RankEvidence]:
+        """The node's evidence, gathered there by one more step of the job (``--overlap``: it
+        shares the CPUs the stage's step holds), printed as one JSON line."""
+        ranks = node_ranks(plan, node)
+        argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}", "--cpus-per-task=1", "--overlap", "--export=ALL",
+                f"--job-name={plan.job}-evidence", node.target.python, "-m", "launcher.runtime.hangdump", str(plan.stage_dir),
+                "--host", node.host, "--ranks", ",".join(map(str, ranks))]  # fmt: skip
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=EVIDENCE_TIMEOUT_S, env={**os.environ})
+            found = json.loads(done.stdout.strip().splitlines()[-1])["evidence"]
+            return [RankEvidence.from_dict(e) for e in found]
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError, KeyError, TypeError) as exc:
+            return [RankEvidence(rank, node.host, None, "unknown", "none", note=f"not gathered (srun): {type(exc).__name__}") for rank in ranks]
 
     def stop(self, procs: Sequence[subprocess.Popen], grace_s: float) -> None:
         """SIGTERM makes each srun cancel its step (Slurm kills the agent and its ranks). An srun

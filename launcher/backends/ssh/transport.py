@@ -20,10 +20,14 @@ from typing import TYPE_CHECKING, Sequence
 
 from launcher.backends.ssh.command import EXIT_SSH_ERROR, REQUEST_TIMEOUT_S, SshError, _agent_remote_argv, remote_agent_command
 from launcher.backends.ssh.link import HostLink, _parallel, current_links
-from launcher.backends.transports import Transport
+from launcher.backends.transports import Transport, node_ranks
 from launcher.errors import BackendError
+from launcher.evidence import RankEvidence
 from launcher.protocol import RankProgress, RankReport
 from launcher.stage.events import RankBeacon, RankReported, StageEvent
+
+# py-spy per rank and the ranks' own accounts (up to 3 s) on the host: well within this
+EVIDENCE_TIMEOUT_S = 30.0
 
 if TYPE_CHECKING:
     from launcher.spec.cluster import HostConfig
@@ -122,6 +126,14 @@ class SshTransport(Transport):
                 links.get(_host(node)).call("signal", timeout_s=10.0, stage=str(plan.stage_dir), signum=int(signum))
 
         _parallel(send, nodes)
+
+    def evidence(self, plan: StagePlan, node: NodeSlot) -> list[RankEvidence]:
+        """The host's evidence, gathered there by its helper (one request on the run's connection)."""
+        try:
+            data = current_links().get(_host(node)).call("evidence", timeout_s=EVIDENCE_TIMEOUT_S, stage=str(plan.stage_dir), host=node.host, ranks=node_ranks(plan, node))
+        except SshError as exc:
+            return [RankEvidence(rank, node.host, None, "unknown", "none", note=f"not gathered: {exc}") for rank in node_ranks(plan, node)]
+        return [RankEvidence.from_dict(e) for e in data.get("evidence") or ()]
 
     def collect(self, plan: StagePlan, nodes: Sequence[NodeSlot], logs: LogRouter, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         """Any report the live channel missed (its stream cut short), fetched from its host and

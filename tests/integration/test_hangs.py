@@ -1,0 +1,142 @@
+"""Hangs on this machine, with real torchrun ranks: each injected hang is noticed from the live
+stream, every rank's evidence gathered (py-spy from outside, the flight recorder's collectives),
+the culprit named with its host and file:line, everything torn down, exit 1; and no false alarm
+for pauses shorter than ``hang_s``, irregular steps or a rank that finished early.
+
+The injected hangs are in ``tests/integration/hang_job.py`` (nothing in it knows about hangs).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from tests.integration.faultkit import Launched, child_env, record, result_of, wait_no_pids
+
+pytestmark = pytest.mark.slow
+
+HOST = socket.gethostname()
+HANG_S = 6
+JOB = REPO / "tests" / "integration" / "hang_job.py"
+
+
+def hang_spec(tmp_path: Path, name: str, *, params: dict, hang_s: float = HANG_S, workers: int = 2, **fields) -> Path:
+    spec = {
+        "name": name,
+        "entrypoint": "tests.integration.hang_job:run",
+        "params": params,
+        "resources": {"cpu_workers": workers},
+        "timeouts": {"hang_s": hang_s, "run_s": 300, "rendezvous_s": 120},
+        "env": {"PYTHONPATH": str(REPO)},
+        **fields,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def line_of(marker: str) -> int:
+    """The line of hang_job.py that holds ``marker`` (where a hung rank must be found)."""
+    return next(i for i, text in enumerate(JOB.read_text().splitlines(), 1) if marker in text)
+
+
+# what each hang must be named as: why (part of the text), and the line it is at
+CASES = {
+    "sleep": ("has not reached all_reduce #", "time.sleep(FOREVER_S)"),
+    "skip": ("is in broadcast [1] as #", "dist.broadcast(flag, src=0)  # the all-reduce before it skipped"),
+    "stop": ("is frozen (its process is stopped", "os.kill(os.getpid(), signal.SIGSTOP)"),
+    "lock": ("has not reached all_reduce #", "with lock:  # never acquired"),
+}
+
+
+@pytest.mark.parametrize("hang", sorted(CASES))
+def test_an_injected_hang_is_named_with_its_rank_host_and_line(tmp_path, hang):
+    why, marker = CASES[hang]
+    run = Launched(hang_spec(tmp_path, f"hang-{hang}", params={"hang": hang, "rank": 3, "at": 20}, workers=4), tmp_path / "runs")
+    try:
+        run.wait_running(4)
+        running_at = time.monotonic()
+        rc = run.wait(HANG_S + 90)
+        took = time.monotonic() - running_at
+        out = run.output()
+    finally:
+        run.close()
+    assert rc == 1, out
+    result = result_of(run.run_dir())
+    assert result["status"] == "hung", out
+    hang_info = result["failure"]["hang"]
+    (culprit,) = hang_info["culprits"]
+    assert (culprit["rank"], culprit["host"], culprit["device"]) == (3, HOST, "cpu"), hang_info
+    assert why in culprit["why"], hang_info
+    assert (Path(culprit["file"]).name, culprit["line"]) == ("hang_job.py", line_of(marker)), hang_info
+    # ranks 0-2 are found waiting in the collective rank 3 never entered, at the job's all-reduce
+    waiting = next(g for g in hang_info["groups"] if g["ranks"] == [0, 1, 2])
+    assert waiting["collective"] and waiting["collective"].startswith("all_reduce #"), hang_info
+    assert waiting["where"].startswith(f"hang_job.py:{line_of('dist.all_reduce(grads)')} "), hang_info
+    # the console said it, once, in words; the evidence of both ranks is on this machine
+    assert f"HUNG: rank 3 on {HOST} (cpu) {why}" in " ".join(out.split()), out[-3000:]
+    evidence = Path(hang_info["evidence_dir"])
+    stacks = (evidence / "stacks.txt").read_text()
+    assert all(f"rank {r} on {HOST}" in stacks for r in range(4)) and "all_reduce #" in stacks, stacks[:2000]
+    # in time: the first 20 steps (well under 10 s), hang_s, then at most 30 s to the exit
+    assert took < 10 + HANG_S + 30, took
+    record(f"hang {hang}: stage start to exit", took)
+    left, _ = wait_no_pids(str(tmp_path / "runs"), 10)
+    assert left == [], left
+
+
+def test_on_hang_restart_keeps_each_attempts_diagnosis(tmp_path):
+    spec = hang_spec(tmp_path, "hang-again", params={"hang": "sleep", "rank": 1, "at": 10}, max_restarts=1)
+    spec.write_text(spec.read_text().replace("run_s: 300", "run_s: 300\n  on_hang: restart"))
+    done = subprocess.run([sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs")], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "hang-again").iterdir()
+    result = result_of(run_dir)
+    assert result["status"] == "hung" and result["stages"][0]["restarts"] == 1, result["stages"][0]
+    first = json.loads((run_dir / "world2" / "attempt0" / "hang" / "diagnosis.json").read_text())
+    assert first["culprits"][0]["rank"] == 1 and "restarting the group" in done.stdout
+    assert result["failure"]["hang"]["culprits"][0]["rank"] == 1
+
+
+FALSE_ALARM_RUNS = 20
+AT_ONCE = 4
+
+
+def test_no_false_alarm_in_twenty_runs_with_pauses_irregular_steps_and_an_early_finisher(tmp_path):
+    """Twenty runs, four at a time on this 2-core machine: every rank pauses hang_s/2 once (a
+    checkpoint), steps take 20-120 ms at random; every fifth run, rank 1 finishes early and the
+    others step on alone for longer than hang_s. None may be reported hung."""
+    hang_s = 5.0
+    specs = []
+    for i in range(FALSE_ALARM_RUNS):
+        if i % 5 == 4:
+            params = {"hang": "early", "rank": 1, "at": 5, "steps": 120, "step_s": 0.06}
+        else:
+            params = {"hang": "pause", "at": 10, "pause_s": hang_s / 2, "steps": 25, "step_s": 0.02, "jitter_s": 0.1}
+        specs.append(hang_spec(tmp_path, f"calm{i}", params=params, hang_s=hang_s))
+    statuses = {}
+    for batch in range(0, FALSE_ALARM_RUNS, AT_ONCE):
+        procs = {
+            spec.stem: subprocess.Popen([sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs"), "--no-metrics"],
+                                        cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            for spec in specs[batch : batch + AT_ONCE]
+        }
+        try:
+            for name, proc in procs.items():
+                proc.wait(timeout=180)
+                statuses[name] = result_of(next((tmp_path / "runs" / name).iterdir()))["status"]
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert statuses == {f"calm{i}": "succeeded" for i in range(FALSE_ALARM_RUNS)}, statuses

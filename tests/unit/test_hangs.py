@@ -1,0 +1,162 @@
+"""The stall watch and the hang diagnosis, pure: scripted progress on a fake clock, evidence as
+records. The real thing, with injected hangs in real ranks, is in tests/integration/test_hangs.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from launcher.control.hangs import StallWatch, diagnose, stacks_text
+from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack
+from launcher.records import HangPolicy
+from launcher.stage.plan import RankSlot
+from launcher.stage.watch import RankLive, StageProgress
+
+JOB = "/home/me/train.py"
+C10D = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def progress(steps: dict[int, int], *, beacons: dict[int, float] | None = None, phases: dict[int, str] | None = None, t: float = 0.0) -> StageProgress:
+    beacons = beacons or {}
+    phases = phases or {}
+    ranks = tuple(RankLive(r, f"h{r // 2}", phases.get(r, "running"), n, beacons.get(r, t)) for r, n in steps.items())
+    return StageProgress(len(steps), t, ranks)
+
+
+def run_watch(policy: HangPolicy, frames, every_s: float = 0.5):
+    """Feed ``frames(t) -> StageProgress`` every ``every_s`` until a stall or the frames end (None)."""
+    clock = Clock()
+    watch = StallWatch(policy, clock)
+    while (p := frames(clock.now)) is not None:
+        stall = watch.update(p)
+        if stall is not None:
+            return stall, clock.now
+        clock.now += every_s
+    return None, clock.now
+
+
+def test_every_rank_still_for_hang_s_is_a_stall_named_after_hang_s():
+    # 4 ranks step together 10 steps a second until t=5, then nothing moves (beacons still come)
+    stall, at = run_watch(HangPolicy(10), lambda t: progress({r: int(min(t, 5) * 10) for r in range(4)}, t=t) if t < 60 else None)
+    assert stall is not None and stall.kind == "all still"
+    assert 15.0 <= at <= 16.0 and stall.stalled_for_s >= 10
+    assert [r.rank for r in stall.ranks] == [0, 1, 2, 3]
+
+
+def test_a_silent_rank_is_named_frozen_by_the_same_rule():
+    def frames(t):
+        if t >= 60:
+            return None
+        steps = {r: int(min(t, 5) * 10) for r in range(4)}
+        return progress(steps, beacons={r: (min(t, 5) if r == 2 else t) for r in range(4)}, t=t)
+
+    stall, at = run_watch(HangPolicy(10), frames)
+    assert stall is not None and stall.kind == "silent" and [r.rank for r in stall.ranks] == [2]
+    assert stall.ranks[0].frozen and 15.0 <= at <= 16.0
+
+
+def test_a_rank_left_behind_while_the_others_advance_is_a_stall():
+    def frames(t):
+        return progress({0: int(t * 10), 1: int(min(t, 3) * 10), 2: int(t * 10)}, t=t) if t < 60 else None
+
+    stall, _ = run_watch(HangPolicy(10), frames)
+    assert stall is not None and stall.kind == "behind" and [r.rank for r in stall.ranks] == [1]
+
+
+def test_no_stall_for_a_long_first_step_a_rank_finished_early_or_hang_s_off():
+    # nothing counted for a minute (compilation, a download): not a hang
+    assert run_watch(HangPolicy(10), lambda t: progress({0: 0, 1: 0}, t=t) if t < 60 else None)[0] is None
+    # rank 1 ended its share at step 30 and finished; the others go on
+    finished = lambda t: progress({0: int(t * 10), 1: min(int(t * 10), 30)}, phases={1: "finished"} if t > 3 else {}, t=t) if t < 60 else None  # noqa: E731
+    assert run_watch(HangPolicy(10), finished)[0] is None
+    # a rank ahead of the other, waiting at its loop's end for it to catch up: ahead is not behind
+    ahead = lambda t: progress({0: min(int(t * 10), 100), 1: min(int(t * 2), 100)}, t=t) if t < 60 else None  # noqa: E731
+    assert run_watch(HangPolicy(10), ahead)[0] is None
+    # off
+    assert run_watch(HangPolicy(None), lambda t: progress({0: 5, 1: 5}, t=t) if t < 60 else None)[0] is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_stall_for_pauses_under_hang_s_and_irregular_steps(seed):
+    """Twenty irregular traces: steps of random length, one pause of hang_s/2 per run (a
+    checkpoint), and beacons that arrive late now and then."""
+    rng = random.Random(seed)
+    hang_s = 10.0
+    step_ends, t = [], 0.0
+    for i in range(200):
+        t += rng.uniform(0.01, 1.5) + (hang_s / 2 if i == 50 else 0.0)
+        step_ends.append(t)
+
+    def frames(now):
+        if now > step_ends[-1]:
+            return None
+        steps = sum(1 for e in step_ends if e <= now)
+        return progress({r: steps for r in range(4)}, beacons={r: now - rng.uniform(0, 0.6) for r in range(4)}, t=now)
+
+    assert run_watch(HangPolicy(hang_s), frames)[0] is None
+
+
+def ev(rank, frames, *, seq=None, op="all_reduce", sizes=((8,),), state="sleeping", host=None, recorder=True):
+    calls = ()
+    if seq is not None:
+        calls = (CollectiveCall(seq - 1, "broadcast", "scheduled", ((1,),)), CollectiveCall(seq, op, "scheduled", sizes))
+    thread = ThreadStack("MainThread", tuple(StackFrame(*f) for f in frames), main=True)
+    return RankEvidence(rank, host or f"h{rank // 2}", 1000 + rank, state, "py-spy", (thread,), calls, recorder)
+
+
+WAITING = [("all_reduce", C10D, 3252, "work.wait()"), ("run", JOB, 95, "dist.all_reduce(grads)")]
+SLEEPING = [("run", JOB, 88, "time.sleep(15)")]
+
+
+def slots(n):
+    return [RankSlot(rank=r, local_rank=r % 2, node_rank=r // 2, host=f"h{r // 2}", device="cpu") for r in range(n)]
+
+
+def stall_of(ranks):
+    from launcher.control.hangs import Stall, StalledRank
+
+    return Stall("all still", 15.0, tuple(StalledRank(r, f"h{r // 2}", 1840, 15.0, 0.5) for r in ranks), 60.0)
+
+
+def test_the_rank_that_has_not_reached_the_collective_is_named_first():
+    evidence = [ev(r, WAITING, seq=1841) for r in range(3)] + [ev(3, SLEEPING, seq=1840)]
+    d = diagnose(stall_of(range(4)), evidence, slots(4))
+    assert [c.rank for c in d.culprits] == [3] and d.culprits[0].host == "h1" and d.culprits[0].line == 88
+    assert d.summary == (
+        "rank 3 on h1 (cpu) has not reached all_reduce #1841 (its last was #1840) — it is at train.py:88 time.sleep(15) (for 15 s); "
+        "ranks 0-2 wait in all_reduce #1841 at train.py:95 dist.all_reduce(grads)"
+    )
+    assert [g.ranks for g in d.groups] == [(3,), (0, 1, 2)]  # the odd one out first
+    assert d.groups[1].collective == "all_reduce #1841" and d.groups[0].collective is None
+
+
+def test_a_rank_in_another_collective_and_a_frozen_rank_are_named():
+    evidence = [ev(0, WAITING, seq=12), ev(1, WAITING, seq=12), ev(2, [("run", JOB, 40, "dist.broadcast(x)")], seq=12, op="broadcast", sizes=((1,),))]
+    d = diagnose(stall_of(range(3)), evidence, slots(3))
+    assert [c.rank for c in d.culprits] == [2] and "is in broadcast [1] as #12 where the others are in all_reduce [8]" in d.culprits[0].why
+    frozen = [ev(0, WAITING, seq=7), ev(1, SLEEPING, seq=6, state="stopped", recorder=False)]
+    d = diagnose(stall_of(range(2)), frozen, slots(2))
+    assert [c.rank for c in d.culprits] == [1] and "is frozen" in d.culprits[0].why
+    assert any(g.state == "stopped" and g.ranks == (1,) for g in d.groups)
+
+
+def test_all_ranks_at_one_place_name_nobody_but_say_where():
+    evidence = [ev(r, SLEEPING) for r in range(4)]
+    d = diagnose(stall_of(range(4)), evidence, slots(4))
+    assert d.culprits == () and d.summary.startswith("no rank stands out: all stalled for 15 s; ranks 0-3 are at train.py:88 time.sleep(15)")
+    text = stacks_text(evidence)
+    assert "rank 3 on h1: pid 1003, sleeping, stacks from py-spy" in text and "run (/home/me/train.py:88)  time.sleep(15)" in text
+
+
+def test_evidence_survives_its_json_round_trip():
+    e = ev(3, WAITING, seq=5)
+    assert RankEvidence.from_dict(e.to_dict()) == e
