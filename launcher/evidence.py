@@ -96,6 +96,13 @@ class RankEvidence:
 
     @property
     def last_collective(self) -> CollectiveCall | None:
+        """The collective the rank is in, or was last in: where its recorder says which calls
+        completed (NCCL: the device's own progress, while the host may have queued many more),
+        the first that did not; else (gloo records no completion) the last one entered."""
+        if any(c.state == "completed" for c in self.collectives):
+            pending = [c for c in self.collectives if c.state != "completed"]
+            if pending:
+                return pending[0]
         return self.collectives[-1] if self.collectives else None
 
     @property

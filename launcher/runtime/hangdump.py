@@ -107,7 +107,12 @@ def _flight_record() -> tuple[list[CollectiveCall], bool]:
     except Exception:  # noqa: BLE001 - an older torch without the recorder: the stacks still say a lot
         return [], False
     entries = [e for e in trace.get("entries") or () if isinstance(e, dict) and e.get("collective_seq_id")]
-    return [_collective(e) for e in entries[-LAST_COLLECTIVES:]], True
+    kept = entries[-LAST_COLLECTIVES:]
+    if any(e.get("state") == "completed" for e in entries):  # NCCL: the host may be far ahead of the device
+        pending = next((e for e in entries if e.get("state") != "completed"), None)
+        if pending is not None and pending not in kept:
+            kept = [pending, *kept]
+    return [_collective(e) for e in kept], True
 
 
 def _collective(entry: dict[str, Any]) -> CollectiveCall:

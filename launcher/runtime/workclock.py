@@ -102,6 +102,7 @@ class WorkClock:
         self.uses_sections = False
         # DDP: the spans of own work of the step under way (see forward_entered / compute_started)
         self._started = False  # an optimizer step was seen: the steps after it are measured
+        self.optimizer_steps = 0
         self._span_start: _Mark | None = None
         self._spans: list[tuple[_Mark, _Mark]] = []
         self._ready: _Mark | None = None  # where the last backward of this step ended
@@ -136,6 +137,11 @@ class WorkClock:
     def _backward_done(self) -> None:
         self._backward_queued = False
         self._ready = _Mark(self.use_events)
+
+    def count_optimizer_step(self) -> None:
+        """Counted whether or not timing is still on: a DDP job's steps, where it counts none
+        itself (a torchrun script), for the progress line and hang detection."""
+        self.optimizer_steps += 1
 
     @_never_raises
     def optimizer_step(self) -> None:
@@ -229,7 +235,11 @@ def install_ddp_timing(clock: WorkClock) -> Callable[[], None]:
         return original_forward(self, *args, **kwargs)
 
     DDP.forward = forward  # type: ignore[method-assign]
-    step_hook = register_optimizer_step_pre_hook(lambda _optimizer, _args, _kwargs: clock.optimizer_step())
+    def on_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        clock.count_optimizer_step()
+        clock.optimizer_step()
+
+    step_hook = register_optimizer_step_pre_hook(on_optimizer_step)
 
     def undo() -> None:
         DDP.forward = original_forward  # type: ignore[method-assign]

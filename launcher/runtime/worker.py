@@ -167,7 +167,8 @@ class _Rank:
         for hook in step_hooks:
             recorder.add_step_hook(hook)
         self.recorder = recorder
-        self.beacon.steps = lambda: recorder.steps
+        # the job's own count; a DDP job that counts none (a torchrun script) is counted by its optimizer's steps
+        self.beacon.steps = lambda: recorder.steps or recorder.work_clock.optimizer_steps
         self.beacon.work_s = recorder.work_clock.recent
         self.beacon.work_spread = recorder.work_clock.spread
         if self.report.world_size > 1 and self.config.time_ddp:  # every DDP model the job builds reports its own work per step

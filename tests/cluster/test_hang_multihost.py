@@ -36,6 +36,7 @@ def test_a_hang_on_a_remote_host_names_the_rank_its_host_and_line(netns_cluster:
     cfg = cluster.cluster_yaml(tmp_path / "cluster.yaml", hosts=cluster.hosts[:2])
     out = cluster.out_dir(f"hang2-{hang}")
     done = cluster.launch(str(spec), "--cluster", str(cfg), "--out", str(out), "--no-metrics", timeout=240)
+    print(done.stdout[-1500:])  # the console's diagnosis, as a user sees it
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     (result_file,) = out.glob(f"hang2-{hang}/*/result.json")
     result = json.loads(result_file.read_text())

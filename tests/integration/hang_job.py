@@ -32,7 +32,7 @@ def run(ctx: Any) -> dict[str, Any]:
     hang, target, at = ctx.param("hang", "none"), int(ctx.param("rank", 1)), int(ctx.param("at", 20))
     steps, step_s, jitter_s = int(ctx.param("steps", 10**9)), float(ctx.param("step_s", 0.02)), float(ctx.param("jitter_s", 0.0))
     rng = random.Random(ctx.rank)
-    grads, flag = torch.ones(8), torch.zeros(1)
+    grads, flag = torch.ones(8, device=ctx.device), torch.zeros(1, device=ctx.device)
     for step in range(steps):
         if step == at and ctx.rank == target and hang in HANGS:
             if HANGS[hang](grads, flag):

@@ -88,7 +88,9 @@ def test_an_injected_hang_is_named_with_its_rank_host_and_line(tmp_path, hang):
     assert all(f"rank {r} on {HOST}" in stacks for r in range(4)) and "all_reduce #" in stacks, stacks[:2000]
     # in time: the first 20 steps (well under 10 s), hang_s, then at most 30 s to the exit
     assert took < 10 + HANG_S + 30, took
-    record(f"hang {hang}: stage start to exit", took)
+    record(f"hang {hang}: all ranks running to exit", took)
+    print(f"hang {hang}: stalled {hang_info['stalled_for_s']} s when named, {hang_info['detected_after_s']} s into the stage; "
+          f"evidence gathered in {hang_info['gather_s']} s")
     left, _ = wait_no_pids(str(tmp_path / "runs"), 10)
     assert left == [], left
 
@@ -140,3 +142,38 @@ def test_no_false_alarm_in_twenty_runs_with_pauses_irregular_steps_and_an_early_
                     proc.kill()
                     proc.wait()
     assert statuses == {f"calm{i}": "succeeded" for i in range(FALSE_ALARM_RUNS)}, statuses
+
+
+DDP_SCRIPT = """\
+import os, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(16, 16))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(100000):
+    if step == 20 and dist.get_rank() == 1:
+        time.sleep(3600)  # the injected hang
+    opt.zero_grad()
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    time.sleep(0.02)
+"""
+
+
+def test_a_torchrun_script_with_ddp_is_watched_through_its_optimizer_steps(tmp_path):
+    """A script counts no steps itself; its DDP model's optimizer steps are counted for it."""
+    script = tmp_path / "train.py"
+    script.write_text(DDP_SCRIPT)
+    spec = tmp_path / "script.yaml"
+    spec.write_text(yaml.safe_dump({"name": "scripthang", "script": str(script), "resources": {"cpu_workers": 2},
+                                    "timeouts": {"hang_s": HANG_S, "run_s": 300}}))  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs"), "--no-metrics"], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "scripthang").iterdir()
+    info = result_of(run_dir)["failure"]["hang"]
+    (culprit,) = info["culprits"]
+    assert (culprit["rank"], Path(culprit["file"]).name, culprit["line"]) == (1, "train.py", 10), info
+    assert culprit["where"] == "train.py:10 time.sleep(3600)", info

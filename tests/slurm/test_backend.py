@@ -192,6 +192,27 @@ def test_a_failing_rank_is_the_root_cause_with_its_host(slurm_rig: SlurmRig, lau
     assert "FAILED: rank 1 on n2" in run.output()
 
 
+def test_a_hung_rank_on_the_second_node_is_named_from_an_srun_step_there(slurm_rig: SlurmRig, launcher, tmp_path: Path):
+    """Rank 1, on n2, sleeps forever at step 20: the launcher inside the allocation sees the
+    stall, gathers n2's evidence with one more step there (srun --overlap: py-spy, the ranks'
+    flight recorders) and names the rank, its node and its line; the job ends, exit 1."""
+    from tests.integration.test_hangs import CASES, line_of
+
+    rig = slurm_rig
+    spec = write_spec(tmp_path, "hung", entrypoint="tests.integration.hang_job:run", params={"hang": "sleep", "rank": 1, "at": 20},
+                      timeouts={"hang_s": 6})  # fmt: skip
+    run = launcher(rig, str(spec))
+    assert run.wait(180) == 1, run.output()
+    result = result_of(run.run_dir())
+    info = result["failure"]["hang"]
+    why, marker = CASES["sleep"]
+    (culprit,) = info["culprits"]
+    assert (culprit["rank"], culprit["host"], culprit["line"]) == (1, "n2", line_of(marker)) and why in culprit["why"], info
+    print(run.output()[-1200:])
+    assert result["status"] == "hung" and "HUNG: rank 1 on n2 (cpu)" in " ".join(run.output().split())
+    assert wait_queue_empty(rig, 15) < 15 and rig.wait_clean(10) == {}, rig.describe(rig.leftovers())
+
+
 def test_a_lost_node_fails_the_run_naming_it(make_slurm_rig, launcher, tmp_path: Path):
     rig: SlurmRig = make_slurm_rig(slurmd_timeout=5)
     run = launcher(rig, str(write_spec(tmp_path, "lost", params={"fault": "sleep"})))

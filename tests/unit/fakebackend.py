@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, Union
 
+from launcher.evidence import RankEvidence
 from launcher.protocol import LOG_PREFIX_SEPARATOR, RankError, RankProgress, RankReport, RankStatus
 from launcher.records import RankExit
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
@@ -93,6 +94,8 @@ class Attempt:
     start_error: BaseException | None = None  # raised by start(), after it stopped what it started
     on_stop: Step | None = None  # side effects of stop() (its status is not used)
     on_collect: Step | None = None  # side effects of collect(): reports a remote host brought back
+    # what gather_evidence() returns for a stalled stage; None: the seam's default (SIGUSR1, nothing)
+    evidence: Sequence[RankEvidence] | None = None
 
 
 class FakeEngine(StageEngine):
@@ -123,7 +126,7 @@ class FakeStage(StageHandle):
     def __init__(self, plan: StagePlan, logs: LogRouter, script: Attempt) -> None:
         super().__init__(plan, logs)
         self.script = script
-        self.calls: list[str] = []  # "start", "poll", "signal_ranks:SIGUSR1", "stop", "collect"
+        self.calls: list[str] = []  # "start", "poll", "signal_ranks:SIGUSR1", "gather_evidence", "stop", "collect"
         self.signals: list[int] = []
         self.polls_before_stop = 0
         self.stopped = False
@@ -162,6 +165,12 @@ class FakeStage(StageHandle):
     def signal_ranks(self, signum: int) -> None:
         self.calls.append(f"signal_ranks:{signal_module.Signals(signum).name}")
         self.signals.append(signum)
+
+    def gather_evidence(self) -> list[RankEvidence]:
+        self.calls.append("gather_evidence")
+        if self.script.evidence is None:
+            return super().gather_evidence()
+        return list(self.script.evidence)
 
     # --- what a step does, as the real processes would -------------------------------------------
 

@@ -160,3 +160,21 @@ def test_all_ranks_at_one_place_name_nobody_but_say_where():
 def test_evidence_survives_its_json_round_trip():
     e = ev(3, WAITING, seq=5)
     assert RankEvidence.from_dict(e.to_dict()) == e
+
+
+def test_where_the_recorder_tracks_completion_the_first_pending_call_is_the_ranks_own():
+    """NCCL: the host queues calls far ahead of the device; the one a rank is in is the first
+    not completed. gloo records no completion: the last call entered is the rank's."""
+    calls = tuple(CollectiveCall(n, "all_reduce", "completed" if n < 41 else "scheduled", ((8,),)) for n in range(38, 45))
+    ahead = RankEvidence(0, "h0", 1, "running", "py-spy", (), calls, True)
+    assert ahead.last_collective is not None and ahead.last_collective.seq == 41
+    gloo = RankEvidence(0, "h0", 1, "running", "py-spy", (), tuple(CollectiveCall(n, "all_reduce", "scheduled") for n in (5, 6)), True)
+    assert gloo.last_collective is not None and gloo.last_collective.seq == 6
+
+
+def test_two_ranks_in_two_collectives_single_out_neither():
+    evidence = [ev(0, WAITING, seq=12), ev(1, [("run", JOB, 40, "dist.broadcast(x)")], seq=12, op="broadcast", sizes=((1,),))]
+    d = diagnose(stall_of(range(2)), evidence, slots(2))
+    assert d.culprits == ()
+    assert sorted((g.ranks, g.collective) for g in d.groups) == [((0,), "all_reduce #12"), ((1,), None)]
+    assert d.summary.startswith("no rank stands out")

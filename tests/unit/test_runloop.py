@@ -19,6 +19,7 @@ from launcher.control import runloop
 from launcher.control.planning import plan_stage
 from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import BackendError, LauncherError
+from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack
 from launcher.masking import MASK
 from launcher.protocol import RankStatus, StagePaths, WorkerConfig
 from launcher.records import FailureReason, RunStatus, StageOutcome
@@ -371,6 +372,69 @@ def test_run_timeout_dumps_stacks_and_names_the_stuck_ranks(tmp_path: Path) -> N
     assert failure.summary == "run exceeded timeouts.run_s=0.2s; stuck ranks: [1]"
     assert outcome.reports[1].status == RankStatus.STOPPED and outcome.reports[1].last_phase == "running"
     assert outcome.reports[0].ok
+
+
+def counting(*steps_of: int) -> Step:
+    """Every rank running, rank k at ``steps_of[k]`` steps (a fresh beacon each time)."""
+    return Step(effect=lambda stage: [stage.beacon(rank, "running", steps=n) for rank, n in enumerate(steps_of)])
+
+
+def stalled_evidence() -> list[RankEvidence]:
+    """Rank 0 waits in all-reduce #8, rank 1 sleeps before it (its last was #7)."""
+    frame = lambda line, code: StackFrame("run", "/job/train.py", line, code)  # noqa: E731
+    c10d = StackFrame("all_reduce", "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 3252)
+    calls = lambda last: tuple(CollectiveCall(n, "all_reduce", "scheduled", ((8,),)) for n in range(last - 1, last + 1))  # noqa: E731
+    return [
+        RankEvidence(0, "h", 100, "sleeping", "py-spy", (ThreadStack("MainThread", (c10d, frame(95, "dist.all_reduce(g)")), True),), calls(8), True),
+        RankEvidence(1, "h", 101, "sleeping", "py-spy", (ThreadStack("MainThread", (frame(88, "time.sleep(60)"),), True),), calls(7), True),
+    ]
+
+
+def test_a_stage_whose_ranks_stop_counting_is_hung_with_the_evidence_kept(tmp_path: Path) -> None:
+    plans = Plans(tmp_path, "timeouts: {hang_s: 0.3}\nmax_restarts: 2\n")
+    # then the beacons keep coming (the ranks' beacon threads live on), their counts frozen
+    backend = scripted(Attempt(polls=[counting(1, 1), counting(5, 5), *[counting(8, 7)] * 5000], evidence=stalled_evidence()))
+    events = Recorded()
+    outcome = run(plans, backend, events=events)
+    (b,) = backend.instances  # on_hang: stop (the default) restarts nothing
+    assert b.calls[-4:] == ["gather_evidence", "stop", "collect", "poll"]  # the evidence while the ranks still ran
+    assert outcome.status == RunStatus.HUNG and outcome.restarts == 0
+    failure = outcome.failure
+    assert failure.reason == FailureReason.HUNG and failure.stuck_ranks == (1,) and failure.hang is not None
+    assert failure.summary.startswith("rank 1 on h (cpu) has not reached all_reduce #8 (its last was #7) — it is at train.py:88 time.sleep(60)")
+    assert any(m.startswith("stalled: no rank advanced for 0 s (ranks 1 (h, step 7), 0 (h, step 8))") for m in events.messages), events.messages
+    hang_dir = plans.paths.hang_dir
+    assert json.loads((hang_dir / "diagnosis.json").read_text())["culprits"][0]["rank"] == 1
+    assert json.loads((hang_dir / "evidence_rank0.json").read_text())["collectives"][-1]["seq"] == 8
+    assert "time.sleep(60)" in (hang_dir / "stacks.txt").read_text()
+
+
+def test_on_hang_restart_counts_against_max_restarts_and_keeps_each_diagnosis(tmp_path: Path) -> None:
+    plans = Plans(tmp_path, "timeouts: {hang_s: 0.3, on_hang: restart}\nmax_restarts: 1\n")
+    hung = Attempt(polls=[counting(1, 1), *[counting(3, 2)] * 5000], evidence=stalled_evidence())
+    backend = scripted(hung, hung)
+    outcome = run(plans, backend)
+    assert len(backend.instances) == 2 and outcome.status == RunStatus.HUNG and outcome.restarts == 1
+    assert (plans.paths.root / "attempt0" / "hang" / "diagnosis.json").is_file() and (plans.paths.hang_dir / "diagnosis.json").is_file()
+
+
+def test_an_engine_without_evidence_has_the_ranks_dump_their_stacks_and_names_the_stalled(tmp_path: Path) -> None:
+    plans = Plans(tmp_path, "timeouts: {hang_s: 0.3}\n")
+    backend = scripted(Attempt(polls=[counting(1, 1), *[counting(9, 9)] * 5000]))
+    outcome = run(plans, backend)
+    (b,) = backend.instances
+    assert b.signals == [signal.SIGUSR1] and outcome.status == RunStatus.HUNG
+    assert outcome.failure is not None and outcome.failure.hang is not None
+    assert outcome.failure.summary.startswith("no rank stands out: all stalled for")
+
+
+def test_no_hang_while_steps_advance_or_before_any_step(tmp_path: Path) -> None:
+    plans = Plans(tmp_path, "timeouts: {hang_s: 0.3}\n")
+    slow_start = [counting(0, 0)] * 3 + [Step(effect=lambda s: time.sleep(0.4))] + [counting(0, 0)] * 3
+    advancing = [counting(n, n) for n in range(1, 40)]
+    done = Step(beacons={0: "finished", 1: "finished"}, reports={0: OK, 1: OK}, status=DONE_OK)
+    outcome = run(plans, scripted(Attempt(polls=[*slow_start, *advancing, done])))
+    assert outcome.status == RunStatus.SUCCEEDED, outcome.failure
 
 
 def test_stop_request_from_another_thread_interrupts_with_no_collateral(tmp_path: Path) -> None:

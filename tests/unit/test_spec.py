@@ -388,3 +388,15 @@ def test_misspelt_modules_and_functions_get_a_suggestion(tmp_path, entrypoint, h
     path.write_text(f"name: m\nentrypoint: {entrypoint}\n")
     with pytest.raises(SpecError, match=re.escape(hint)):
         load_job(path)
+
+
+def test_hang_settings_are_checked_and_reach_the_plan(tmp_path):
+    path = write(tmp_path, "name: h\nentrypoint: launcher.workloads.matmul:run\ntimeouts: {hang_s: 0, on_hang: wait}\n")
+    found = problems(path)
+    assert any(p.startswith(f"{path}:3: timeouts.hang_s:") and "greater than 0" in p for p in found), found
+    assert any(p.startswith(f"{path}:3: timeouts.on_hang:") and "'stop' or 'restart'" in p for p in found), found
+    from launcher.spec.model import load_job
+
+    off = load_job(write(tmp_path, "name: h\nentrypoint: launcher.workloads.matmul:run\ntimeouts: {hang_s: null, on_hang: restart}\n"))
+    assert (off.spec.timeouts.hang_s, off.spec.timeouts.on_hang) == (None, "restart")
+    assert load_job(write(tmp_path, "name: h\nentrypoint: launcher.workloads.matmul:run\n")).spec.timeouts.hang_s == 300

@@ -1,0 +1,62 @@
+"""Injected hangs on real GPUs under NCCL (marked ``gpu``: skipped where nvidia-smi finds none).
+
+On one GPU: a single rank that stops counting is called hung, and its evidence holds its stacks
+and NCCL's flight-recorder entries. On two or more: each injected hang (a rank sleeping, skipping a
+collective, frozen, deadlocked on a lock) names that rank and its line, although the others' host
+threads may have queued many collectives past the one their GPUs wait in (the recorder's
+completion states say which)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.integration.faultkit import child_env, result_of, wait_no_pids
+from tests.integration.test_hangs import CASES, hang_spec, line_of
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _launch(spec: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", str(spec), "--out", str(out), "--no-metrics"], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_one_gpu_rank_that_stops_counting_is_hung_with_its_nccl_record(tmp_path):
+    spec = hang_spec(tmp_path, "gpuhang1", params={"hang": "sleep", "rank": 0, "at": 20}, resources={"gpus_per_node": 1, "device": "cuda"})
+    done = _launch(spec, tmp_path / "runs")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "gpuhang1").iterdir()
+    result = result_of(run_dir)
+    assert result["status"] == "hung"
+    evidence = (Path(result["failure"]["hang"]["evidence_dir"]) / "stacks.txt").read_text()
+    assert "time.sleep(FOREVER_S)" in evidence, evidence[:3000]
+    left, _ = wait_no_pids(str(tmp_path / "runs"), 10)
+    assert left == []
+
+
+@pytest.mark.parametrize("hang", sorted(CASES))
+def test_an_injected_nccl_hang_names_the_rank_and_line(tmp_path, hang):
+    if _gpus() < 2:
+        pytest.skip("needs two GPUs (NCCL will not put two ranks on one)")
+    why, marker = CASES[hang]
+    last = _gpus() - 1
+    spec = hang_spec(tmp_path, f"gpuhang-{hang}", params={"hang": hang, "rank": last, "at": 20}, resources={"device": "cuda"})
+    done = _launch(spec, tmp_path / "runs")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / f"gpuhang-{hang}").iterdir()
+    info = result_of(run_dir)["failure"]["hang"]
+    (culprit,) = info["culprits"]
+    assert culprit["rank"] == last and culprit["line"] == line_of(marker) and culprit["device"] == f"cuda:{last}", info
+    left, _ = wait_no_pids(str(tmp_path / "runs"), 10)
+    assert left == []
