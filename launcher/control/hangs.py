@@ -5,8 +5,8 @@ latest beacon, from its engine's channel) and says when the stage stalled; ``dia
 evidence gathered from every rank's host (``launcher.evidence``) into a ``HangDiagnosis``: the ranks
 grouped by where they are, the odd ones out named first.
 
-The rule (``timeouts.hang_s``, H): once the stage has counted steps, a rank in its job that has not
-advanced its step count for H is *still*; the stage is hung when every running rank is still (a
+The rule (``timeouts.hang_s``, H): once the stage has counted steps and every rank has started
+its job, a rank in its job that has not advanced its step count for H since it entered it is *still*; the stage is hung when every running rank is still (a
 collective waits for a rank that never comes), when a still rank is behind ranks that advance
 (one part of the world left behind), or when a rank sent no beacon for H (frozen: SIGSTOP, a hung
 host). Not a hang: a pause shorter than H, slow steps, a long first step (nothing counted yet), a
@@ -24,6 +24,9 @@ from launcher.evidence import CollectiveCall, RankEvidence, StackFrame
 from launcher.records import HangCulprit, HangDiagnosis, HangGroup, HangPolicy
 from launcher.stage.plan import RankSlot
 from launcher.stage.watch import StageProgress
+
+
+STARTING_UP = ("spawning", "starting", "importing", "rendezvous", "pg_init")
 
 
 @dataclass(frozen=True)
@@ -60,18 +63,22 @@ class StallWatch:
     def __init__(self, policy: HangPolicy, clock: Callable[[], float] = time.monotonic) -> None:
         self.hang_s = policy.hang_s
         self._clock = clock
-        self._steps: dict[int, tuple[int, float]] = {}  # rank -> (steps, when they changed)
+        # rank -> ((phase, steps), when either changed): a rank's stillness is counted from its
+        # entering its job, never from its start-up (a slow import is not a stall)
+        self._steps: dict[int, tuple[tuple[str, int], float]] = {}
         self._beacons: dict[int, tuple[float | None, float]] = {}  # rank -> (beacon time, when it changed)
 
     def update(self, progress: StageProgress) -> Stall | None:
         now = self._clock()
         for r in progress.ranks:
-            if self._steps.get(r.rank, (None, 0.0))[0] != r.steps:
-                self._steps[r.rank] = (r.steps, now)
+            if r.rank not in self._steps or self._steps[r.rank][0] != (r.phase, r.steps):
+                self._steps[r.rank] = ((r.phase, r.steps), now)
             if self._beacons.get(r.rank, (None, 0.0))[0] != r.beacon_t or r.rank not in self._beacons:
                 self._beacons[r.rank] = (r.beacon_t, now)
         if self.hang_s is None or progress.steps_max == 0:
             return None  # off, or nothing counted yet: a long first step is not a hang
+        if any(r.phase in STARTING_UP for r in progress.ranks):
+            return None  # a rank still starting (a slow import, a late host): the rendezvous timeout's case
         running = [r for r in progress.ranks if r.phase == "running"]
         marks = {r.rank: StalledRank(r.rank, r.host, r.steps, now - self._steps[r.rank][1], now - self._beacons[r.rank][1]) for r in running}
         silent = [m for m in marks.values() if m.silent_s >= self.hang_s]

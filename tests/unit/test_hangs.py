@@ -178,3 +178,31 @@ def test_two_ranks_in_two_collectives_single_out_neither():
     assert d.culprits == ()
     assert sorted((g.ranks, g.collective) for g in d.groups) == [((0,), "all_reduce #12"), ((1,), None)]
     assert d.summary.startswith("no rank stands out")
+
+
+def test_a_slow_start_up_is_not_counted_as_stillness():
+    """Rank 1 spends 30 s importing while rank 0 (no collective to wait in) counts its first
+    steps and waits; then rank 1 enters its job with 0 steps: its stillness starts then, not
+    when it was spawned, and nothing is judged while a rank is still starting."""
+
+    def frames(t):
+        if t >= 45:
+            return None
+        rank1 = ("importing", 0) if t < 30 else ("running", int(t - 30))
+        rank0 = min(int(t * 10), 5) + max(0, int(t - 30))  # goes on once its peer is there
+        return progress({0: rank0, 1: rank1[1]}, phases={1: rank1[0]}, t=t)
+
+    assert run_watch(HangPolicy(10), frames)[0] is None
+
+
+def test_an_early_finisher_and_a_late_starter_are_not_a_hang():
+    """Rank 1 does its five steps and finishes while rank 0 is still importing (15 s); rank 0
+    then steps on alone."""
+
+    def frames(t):
+        if t >= 60:
+            return None
+        rank0 = ("importing", 0) if t < 15 else ("running", int((t - 15) * 5))
+        return progress({0: rank0[1], 1: min(int(t * 10), 5)}, phases={0: rank0[0], 1: "running" if t < 1 else "finished"}, t=t)
+
+    assert run_watch(HangPolicy(10), frames)[0] is None
