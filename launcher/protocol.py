@@ -106,11 +106,11 @@ class StagePaths:
         machine, every rank's, once it is)."""
         return self.root / "hang"
 
-    @property
-    def hang_request(self) -> Path:
-        """Created on a rank's host to ask its ranks for their own account of a stall (their
-        flight recorder's last collectives, their threads' stacks)."""
-        return self.hang_dir / "request"
+    def hang_request(self, rank: int) -> Path:
+        """Created on a rank's host to ask that rank for its own account of a stall (its flight
+        recorder's last collectives, its threads' stacks). One per rank: on a shared filesystem
+        (Slurm) every node's gathering runs at once in the same directory."""
+        return self.hang_dir / f"request_rank{rank}"
 
     def rank_account(self, rank: int) -> Path:
         return self.hang_dir / f"account_rank{rank}.json"

@@ -2,8 +2,8 @@
 
 Two sides, both on the rank's host:
 
-- **The rank** (``RankAccount``, called by its beacon thread twice a second): when the stage's
-  ``hang/request`` file appears, it writes its own account: its flight recorder's last
+- **The rank** (``RankAccount``, called by its beacon thread twice a second): when its
+  ``hang/request_rank<k>`` file appears, it writes its own account: its flight recorder's last
   collectives (torch records every collective by sequence number once ``TORCH_FR_BUFFER_SIZE`` is
   set, which ``enable_flight_recorder`` does before the process group exists) and every thread's
   stack. A thread answers while the main thread is blocked in a collective, a sleep or a lock:
@@ -71,7 +71,7 @@ class RankAccount:
 
     def maybe_answer(self) -> None:
         try:
-            asked = self.paths.hang_request.stat().st_mtime_ns
+            asked = self.paths.hang_request(self.rank).stat().st_mtime_ns
         except OSError:
             return
         if asked == self._answered:
@@ -136,11 +136,12 @@ def gather(stage_dir: str | Path, host: str, ranks: Sequence[int] | None = None,
     paths.hang_dir.mkdir(parents=True, exist_ok=True)
     for rank in ranks:
         paths.rank_account(rank).unlink(missing_ok=True)
-    paths.hang_request.write_text(f"{time.time()}\n")  # a new mtime: every rank answers again
+        paths.hang_request(rank).write_text(f"{time.time()}\n")  # a new mtime: the rank answers again
     outside = {rank: _py_spy(pid) for rank, pid in live.items()}
     states = {rank: _process_state(pid) for rank, pid in live.items()}
     accounts = _await_accounts(paths, [r for r in live if states[r] != "stopped"], wait_s)
-    paths.hang_request.unlink(missing_ok=True)
+    for rank in ranks:
+        paths.hang_request(rank).unlink(missing_ok=True)
     return [_evidence(rank, host, live.get(rank), states.get(rank, "gone"), outside.get(rank), accounts.get(rank)) for rank in ranks]
 
 

@@ -1,8 +1,8 @@
 """A hang on another host, named from the launching machine.
 
 Two SSH hosts with private run directories (neither is the launching host), a world-4 job (two
-ranks a host); rank 3, on the second host, hangs at step 20: it sleeps forever, or its process is
-frozen (SIGSTOP). The stall is seen in the live stream, every rank's evidence is gathered on its
+ranks a host); rank 3, on the second host, hangs at step 20 in each of the four ways of ``hang_job.py``
+(sleeps forever, skips a collective, is frozen with SIGSTOP, deadlocks on a lock). The stall is seen in the live stream, every rank's evidence is gathered on its
 own host by the host helper (py-spy, the ranks' flight recorders) over the run's one connection
 per host, and the diagnosis names rank 3 on h2 with its line of the job; nothing is left running.
 """
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 HANG_S = 6
 
 
-@pytest.mark.parametrize("hang", ["sleep", "stop"])
+@pytest.mark.parametrize("hang", sorted(CASES))
 def test_a_hang_on_a_remote_host_names_the_rank_its_host_and_line(netns_cluster: NetnsCluster, clean_after, tmp_path: Path, hang: str) -> None:
     cluster = netns_cluster
     spec = tmp_path / f"hang2-{hang}.yaml"

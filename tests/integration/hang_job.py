@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import threading
@@ -60,7 +59,9 @@ def _skip(grads: torch.Tensor, flag: torch.Tensor) -> bool:
 
 
 def _stop(grads: torch.Tensor, flag: torch.Tensor) -> bool:
-    os.kill(os.getpid(), signal.SIGSTOP)
+    # to this thread: it stops on the way out of this call (a Ray actor runs the rank on a thread
+    # of its own, which a signal to the process would let run on a little)
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     return False
 
 

@@ -52,7 +52,7 @@ def line_of(marker: str) -> int:
 CASES = {
     "sleep": ("has not reached all_reduce #", "time.sleep(FOREVER_S)"),
     "skip": ("is in broadcast [1] as #", "dist.broadcast(flag, src=0)  # the all-reduce before it skipped"),
-    "stop": ("is frozen (its process is stopped", "os.kill(os.getpid(), signal.SIGSTOP)"),
+    "stop": ("is frozen (its process is stopped", "signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)"),
     "lock": ("has not reached all_reduce #", "with lock:  # never acquired"),
 }
 
