@@ -7,6 +7,8 @@ and read by the run loop's hang diagnosis (``launcher.control.hangs``).
 
 from __future__ import annotations
 
+import base64
+import zlib
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Mapping
@@ -93,6 +95,7 @@ class RankEvidence:
     collectives: tuple[CollectiveCall, ...] = ()  # the flight recorder's last entries, oldest first
     recorder: bool = False  # whether the rank's flight recorder answered (then () means: no collective yet)
     note: str = ""  # what could not be read, and why
+    flight_record: bytes = b""  # torch's whole dump of the rank's recorder (pickle), to store as fr_trace_rank<k>
 
     @property
     def last_collective(self) -> CollectiveCall | None:
@@ -122,6 +125,7 @@ class RankEvidence:
             "rank": self.rank, "host": self.host, "pid": self.pid, "process_state": self.process_state,
             "stack_source": self.stack_source, "threads": [t.to_dict() for t in self.threads],
             "collectives": [c.to_dict() for c in self.collectives], "recorder": self.recorder, "note": self.note,
+            "flight_record": base64.b64encode(zlib.compress(self.flight_record)).decode() if self.flight_record else "",
         }  # fmt: skip
 
     @classmethod
@@ -137,4 +141,14 @@ class RankEvidence:
             collectives=tuple(CollectiveCall.from_dict(c) for c in data.get("collectives") or () if isinstance(c, Mapping)),
             recorder=bool(data.get("recorder")),
             note=str(data.get("note", "")),
+            flight_record=_unpacked(data.get("flight_record")),
         )
+
+
+def _unpacked(text: Any) -> bytes:
+    if not isinstance(text, str) or not text:
+        return b""
+    try:
+        return zlib.decompress(base64.b64decode(text))
+    except (ValueError, zlib.error):
+        return b""

@@ -115,6 +115,10 @@ class StagePaths:
     def rank_account(self, rank: int) -> Path:
         return self.hang_dir / f"account_rank{rank}.json"
 
+    def flight_record(self, rank: int) -> Path:
+        """The rank's whole flight recorder, as torch dumps it: ``torchfrtrace <hang dir> -p fr_trace_rank`` reads them all."""
+        return self.hang_dir / f"fr_trace_rank{rank}"
+
 
 @dataclass(frozen=True)
 class WorkerConfig:

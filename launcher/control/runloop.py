@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from launcher.control.diagnosis import explain_failure
@@ -204,7 +204,9 @@ def _diagnose_hang(handle: StageHandle, stall: Stall, events: RunEvents) -> Hang
     folder = handle.plan.paths.hang_dir
     folder.mkdir(parents=True, exist_ok=True)
     for e in evidence:
-        write_json_atomic(folder / f"evidence_rank{e.rank}.json", e.to_dict())
+        if e.flight_record:  # beside the others' for torchfrtrace (here already, for this machine's ranks)
+            handle.plan.paths.flight_record(e.rank).write_bytes(e.flight_record)
+        write_json_atomic(folder / f"evidence_rank{e.rank}.json", replace(e, flight_record=b"").to_dict())
     (folder / "stacks.txt").write_text(stacks_text(evidence))
     diagnosis = diagnose(stall, evidence, handle.plan.ranks, gather_s=gather_s, evidence_dir=str(folder))
     write_json_atomic(folder / "diagnosis.json", diagnosis.to_dict())

@@ -21,6 +21,7 @@ JSON line (the srun step's way; also a look by hand).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import linecache
 import os
@@ -78,6 +79,8 @@ class RankAccount:
             return
         self._answered = asked
         collectives, recorder = _flight_record()
+        if recorder:
+            _write_trace(self.paths.flight_record(self.rank))
         account = {"threads": [t.to_dict() for t in _own_threads()], "collectives": [c.to_dict() for c in collectives], "recorder": recorder}
         write_json_atomic(self.paths.rank_account(self.rank), account, durable=False)
 
@@ -115,6 +118,19 @@ def _flight_record() -> tuple[list[CollectiveCall], bool]:
     return [_collective(e) for e in kept], True
 
 
+def _write_trace(path: Path) -> None:
+    """torch's own dump of the recorder (a pickle), as its ``torchfrtrace`` reads it."""
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        dump = c10d._dump_fr_trace(True, False)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - the summary in the account is what the diagnosis needs
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(dump)
+    os.replace(tmp, path)
+
+
 def _collective(entry: dict[str, Any]) -> CollectiveCall:
     op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
     sizes = tuple(tuple(int(n) for n in s) for s in entry.get("input_sizes") or () if isinstance(s, list))
@@ -142,7 +158,7 @@ def gather(stage_dir: str | Path, host: str, ranks: Sequence[int] | None = None,
     accounts = _await_accounts(paths, [r for r in live if states[r] != "stopped"], wait_s)
     for rank in ranks:
         paths.hang_request(rank).unlink(missing_ok=True)
-    return [_evidence(rank, host, live.get(rank), states.get(rank, "gone"), outside.get(rank), accounts.get(rank)) for rank in ranks]
+    return [_evidence(paths, rank, host, live.get(rank), states.get(rank, "gone"), outside.get(rank), accounts.get(rank)) for rank in ranks]
 
 
 def gather_as_dicts(stage_dir: str, host: str, ranks: list[int]) -> list[dict[str, Any]]:
@@ -150,8 +166,12 @@ def gather_as_dicts(stage_dir: str, host: str, ranks: list[int]) -> list[dict[st
     return [e.to_dict() for e in gather(stage_dir, host, ranks)]
 
 
-def _evidence(rank: int, host: str, pid: int | None, state: str, outside: tuple[list[ThreadStack], str] | None, account: dict[str, Any] | None) -> RankEvidence:
+def _evidence(paths: StagePaths, rank: int, host: str, pid: int | None, state: str, outside: tuple[list[ThreadStack], str] | None, account: dict[str, Any] | None) -> RankEvidence:
     threads, note = outside if outside is not None else ([], "")
+    trace = b""
+    if account is not None and account.get("recorder"):
+        with contextlib.suppress(OSError):
+            trace = paths.flight_record(rank).read_bytes()
     source = "py-spy" if threads else "none"
     if not threads and account and account.get("threads"):
         threads, source = [ThreadStack.from_dict(t) for t in account["threads"]], "rank"
@@ -160,7 +180,7 @@ def _evidence(rank: int, host: str, pid: int | None, state: str, outside: tuple[
         note = "no live process (it had ended)"
     elif account is None and state != "stopped":
         note = "; ".join(filter(None, [note, "the rank did not answer (its interpreter is held: a C call holding the GIL, or a dead beacon thread)"]))
-    return RankEvidence(rank, host, pid, state, source, tuple(threads), collectives, bool((account or {}).get("recorder")), note)
+    return RankEvidence(rank, host, pid, state, source, tuple(threads), collectives, bool((account or {}).get("recorder")), note, trace)
 
 
 def _await_accounts(paths: StagePaths, ranks: list[int], wait_s: float) -> dict[int, dict[str, Any]]:

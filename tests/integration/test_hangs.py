@@ -86,6 +86,13 @@ def test_an_injected_hang_is_named_with_its_rank_host_and_line(tmp_path, hang):
     evidence = Path(hang_info["evidence_dir"])
     stacks = (evidence / "stacks.txt").read_text()
     assert all(f"rank {r} on {HOST}" in stacks for r in range(4)) and "all_reduce #" in stacks, stacks[:2000]
+    # torch's own dumps of the answering ranks' flight recorders, for its tools (a frozen rank gives none)
+    from torch.distributed.flight_recorder.components.loader import read_dump
+
+    answered = [r for r in range(4) if not (hang == "stop" and r == 3)]
+    for r in answered:
+        dump = read_dump("fr_trace_rank", str(evidence / f"fr_trace_rank{r}"))
+        assert dump["entries"] and dump["entries"][-1]["profiling_name"].endswith(("all_reduce", "broadcast")), dump["entries"][-1:]
     # in time: the first 20 steps (well under 10 s), hang_s, then at most 30 s to the exit
     assert took < 10 + HANG_S + 30, took
     record(f"hang {hang}: all ranks running to exit", took)
