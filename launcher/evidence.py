@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, Mapping
 
@@ -96,6 +96,7 @@ class RankEvidence:
     recorder: bool = False  # whether the rank's flight recorder answered (then () means: no collective yet)
     note: str = ""  # what could not be read, and why
     flight_record: bytes = b""  # torch's whole dump of the rank's recorder (pickle), to store as fr_trace_rank<k>
+    phases: Mapping[str, float] = field(default_factory=dict)  # the rank's phase stamps (its report has none: it is stopped)
 
     @property
     def last_collective(self) -> CollectiveCall | None:
@@ -126,6 +127,7 @@ class RankEvidence:
             "stack_source": self.stack_source, "threads": [t.to_dict() for t in self.threads],
             "collectives": [c.to_dict() for c in self.collectives], "recorder": self.recorder, "note": self.note,
             "flight_record": base64.b64encode(zlib.compress(self.flight_record)).decode() if self.flight_record else "",
+            "phases": dict(self.phases),
         }  # fmt: skip
 
     @classmethod
@@ -142,6 +144,7 @@ class RankEvidence:
             recorder=bool(data.get("recorder")),
             note=str(data.get("note", "")),
             flight_record=_unpacked(data.get("flight_record")),
+            phases={str(k): float(v) for k, v in (data.get("phases") or {}).items() if isinstance(v, (int, float))},
         )
 
 

@@ -271,6 +271,7 @@ class RayStage(StageHandle):
         self._probe_refs: dict[Any, int] = {}
         self._runs: dict[Any, int] = {}
         self._drains: dict[Any, int] = {}
+        self._stage_dirs: dict[int, str] = {}  # rank -> its files' folder on its node (another node's is its own)
         self._reports: dict[int, RankReport] = {}
         self._died: dict[int, str] = {}
         self._state = "new"
@@ -414,6 +415,8 @@ class RayStage(StageHandle):
                 self.logs.write_rank_line(rank, host, line)
             if drained.get("beacon"):
                 self.emit(RankBeacon(rank, RankProgress.from_dict(drained["beacon"]), host=host))
+            if drained.get("stage_dir"):
+                self._stage_dirs[rank] = drained["stage_dir"]
             if not final:
                 self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
 
@@ -457,15 +460,13 @@ class RayStage(StageHandle):
     def gather_evidence(self) -> list[RankEvidence]:
         """Every rank's evidence, gathered on its own node by a task pinned there (not by the
         actor: a frozen or blocked actor cannot answer), the nodes in parallel."""
-        by_node: dict[str, list[int]] = {}
+        by_place: dict[tuple[str, str], list[int]] = {}
         for rank, probe in sorted(self._probes.items()):
-            by_node.setdefault(probe["node_id"], []).append(rank)
+            by_place.setdefault((probe["node_id"], self._stage_dirs.get(rank, str(self.plan.stage_dir))), []).append(rank)
         task = ray.remote(num_cpus=0, max_retries=0)(gather_as_dicts)
         refs = {
-            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-                str(self.plan.stage_dir), self._host(ranks[0]), ranks
-            ): ranks
-            for node_id, ranks in by_node.items()
+            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(stage_dir, self._host(ranks[0]), ranks): ranks
+            for (node_id, stage_dir), ranks in by_place.items()
         }
         found: list[RankEvidence] = []
         for ref, ranks in refs.items():

@@ -5,13 +5,15 @@ latest beacon, from its engine's channel) and says when the stage stalled; ``dia
 evidence gathered from every rank's host (``launcher.evidence``) into a ``HangDiagnosis``: the ranks
 grouped by where they are, the odd ones out named first.
 
-The rule (``timeouts.hang_s``, H): once the stage has counted steps and every rank has started
-its job, a rank in its job that has not advanced its step count for H since it entered it is *still*; the stage is hung when every running rank is still (a
-collective waits for a rank that never comes), when a still rank is behind ranks that advance
-(one part of the world left behind), or when a rank sent no beacon for H (frozen: SIGSTOP, a hung
-host). Not a hang: a pause shorter than H, slow steps, a long first step (nothing counted yet), a
-rank that finished early and waits for the rest (it is ahead, not behind), a job that never counts
-steps (a ``script:`` without ``ctx.metrics.step()``: not covered, see README).
+The rule (``timeouts.hang_s``, H): once the stage has counted steps, a rank in its job that has
+not advanced its step count for H since it entered it is *still*; the stage is hung when every
+running rank is still (a collective waits for a rank that never comes), when a still rank is
+behind ranks that advance (one part of the world left behind), or when a rank sent no beacon for
+H (frozen: SIGSTOP, a hung host; in any phase, as a rank frozen before its last beacons left
+shows an earlier one). While a rank is still starting and alive, nothing is judged (a slow
+import is the rendezvous timeout's case). Not a hang: a pause shorter than H, slow steps, a long
+first step (nothing counted yet), a rank that finished early, or waits for the rest (it is
+ahead, not behind), a job that counts no steps and trains no DDP model (not covered, see README).
 """
 
 from __future__ import annotations
@@ -77,13 +79,20 @@ class StallWatch:
                 self._beacons[r.rank] = (r.beacon_t, now)
         if self.hang_s is None or progress.steps_max == 0:
             return None  # off, or nothing counted yet: a long first step is not a hang
-        if any(r.phase in STARTING_UP for r in progress.ranks):
-            return None  # a rank still starting (a slow import, a late host): the rendezvous timeout's case
-        running = [r for r in progress.ranks if r.phase == "running"]
-        marks = {r.rank: StalledRank(r.rank, r.host, r.steps, now - self._steps[r.rank][1], now - self._beacons[r.rank][1]) for r in running}
-        silent = [m for m in marks.values() if m.silent_s >= self.hang_s]
-        still = [m for m in marks.values() if m.still_s >= self.hang_s]
-        moving = [m for m in marks.values() if m.still_s < self.hang_s]
+        hang_s = self.hang_s
+        # every rank that has said something and not ended; a starting rank counts only by its silence
+        marks = {
+            r.rank: StalledRank(r.rank, r.host, r.steps, now - self._steps[r.rank][1], now - self._beacons[r.rank][1])
+            for r in progress.ranks
+            if r.phase == "running" or (r.phase in STARTING_UP and r.beacon_t is not None)
+        }
+        starting = {r.rank for r in progress.ranks if r.phase in STARTING_UP}
+        silent = [m for m in marks.values() if m.silent_s >= hang_s]
+        if not silent and starting:
+            return None  # a rank still starting and alive (a slow import, a late host): the rendezvous timeout's case
+        running = [m for rank, m in marks.items() if rank not in starting]
+        still = [m for m in running if m.still_s >= hang_s]
+        moving = [m for m in running if m.still_s < hang_s]
         ahead = max((m.steps for m in moving), default=0)
         behind = [m for m in still if moving and m.steps < ahead]
         if silent:

@@ -190,17 +190,19 @@ def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events:
             next_progress = time.monotonic() + PROGRESS_EVERY_S
             stall = stalls.update(progress)
             if stall is not None:
-                return _Watch(RunStatus.HUNG, hang=_diagnose_hang(handle, stall, events))
+                return _Watch(RunStatus.HUNG, hang=_diagnose_hang(handle, state, stall, events))
         time.sleep(max(0.0, MIN_TURN_S - (time.monotonic() - turn)))
 
 
-def _diagnose_hang(handle: StageHandle, stall: Stall, events: RunEvents) -> HangDiagnosis:
+def _diagnose_hang(handle: StageHandle, state: StageState, stall: Stall, events: RunEvents) -> HangDiagnosis:
     """While the stalled ranks still run: every rank's evidence through the engine's channel,
     kept in ``world<N>/hang/`` on this machine, and the diagnosis."""
     events.message(stall.describe())
     started = time.monotonic()
     evidence = handle.gather_evidence()
     gather_s = time.monotonic() - started
+    for e in evidence:
+        state.note_phases(e.rank, e.phases)  # the start-up phases of ranks that will write no report
     folder = handle.plan.paths.hang_dir
     folder.mkdir(parents=True, exist_ok=True)
     for e in evidence:

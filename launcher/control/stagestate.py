@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from launcher.masking import redact_document
 from launcher.protocol import RankError, RankProgress, RankReport, RankStatus
@@ -85,6 +85,12 @@ class StageState:
         for phase, stamp in table:
             if _PHASE_ORDER.index(beacon.phase) >= _PHASE_ORDER.index(phase):
                 stamps.setdefault(stamp, beacon.t)
+
+    def note_phases(self, rank: int, stamps: Mapping[str, float]) -> None:
+        """Phase stamps the rank itself gave (in a hung stage's evidence), for the report it will
+        not write: exact where the beacons' are the time a phase was first seen, and there where
+        a phase passed between two beacons."""
+        self._stamps.setdefault(rank, {}).update(stamps)
 
     def _report(self, report: RankReport) -> None:
         known = self.reports.get(report.rank)

@@ -66,8 +66,9 @@ def is_job_frame(filename: str) -> bool:
 class RankAccount:
     """Answers the host's request for this rank's own account of a stall (once per request)."""
 
-    def __init__(self, paths: StagePaths, rank: int) -> None:
+    def __init__(self, paths: StagePaths, rank: int, phases: dict[str, float] | None = None) -> None:
         self.paths, self.rank = paths, rank
+        self.phases = phases if phases is not None else {}  # the rank's phase stamps so far (its report's, live)
         self._answered: int | None = None
 
     def maybe_answer(self) -> None:
@@ -81,7 +82,8 @@ class RankAccount:
         collectives, recorder = _flight_record()
         if recorder:
             _write_trace(self.paths.flight_record(self.rank))
-        account = {"threads": [t.to_dict() for t in _own_threads()], "collectives": [c.to_dict() for c in collectives], "recorder": recorder}
+        account = {"threads": [t.to_dict() for t in _own_threads()], "collectives": [c.to_dict() for c in collectives], "recorder": recorder,
+                   "phases": dict(self.phases)}  # fmt: skip
         write_json_atomic(self.paths.rank_account(self.rank), account, durable=False)
 
 
@@ -180,7 +182,8 @@ def _evidence(paths: StagePaths, rank: int, host: str, pid: int | None, state: s
         note = "no live process (it had ended)"
     elif account is None and state != "stopped":
         note = "; ".join(filter(None, [note, "the rank did not answer (its interpreter is held: a C call holding the GIL, or a dead beacon thread)"]))
-    return RankEvidence(rank, host, pid, state, source, tuple(threads), collectives, bool((account or {}).get("recorder")), note, trace)
+    phases = {k: float(v) for k, v in ((account or {}).get("phases") or {}).items() if isinstance(v, (int, float))}
+    return RankEvidence(rank, host, pid, state, source, tuple(threads), collectives, bool((account or {}).get("recorder")), note, trace, phases)
 
 
 def _await_accounts(paths: StagePaths, ranks: list[int], wait_s: float) -> dict[int, dict[str, Any]]:

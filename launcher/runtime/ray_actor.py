@@ -128,6 +128,7 @@ class RankActor:
         self.tee = _OutputTee()
         self.started = time.time()
         self.beacon_path: str | None = None  # this rank's beacon file, once it runs
+        self.stage_dir: str | None = None  # where its files are on this node (a hang's evidence is gathered there)
         # the launcher's stack dump on a hang (RayStage.signal_ranks), as in a torchrun rank
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
@@ -154,7 +155,7 @@ class RankActor:
         latest beacon: the live channel to the launcher, on any node of the cluster."""
         lines = self.tee.drain(wait_s)
         beacon = read_json(self.beacon_path) if self.beacon_path else None
-        return {"lines": lines, "beacon": beacon if isinstance(beacon, dict) else None}
+        return {"lines": lines, "beacon": beacon if isinstance(beacon, dict) else None, "stage_dir": self.stage_dir}
 
     def signal(self, signum: int) -> None:
         """A signal to this rank's own process (SIGUSR1: its stacks into its output)."""
@@ -168,6 +169,7 @@ class RankActor:
         if not same_node:  # the launcher's stage dir is not here: keep files local, return the report
             config = dataclasses.replace(config, stage_dir=tempfile.mkdtemp(prefix="gpulaunch-"))
         self.beacon_path = str(config.paths.progress(self.rank))
+        self.stage_dir = config.stage_dir
         os.environ.update(env)
         mismatch = _device_mismatch(config.device_type, env)
         if mismatch:

@@ -143,7 +143,7 @@ class _Rank:
         self.report = _new_report(config, env, phases)
         self.paths = StagePaths(Path(config.stage_dir))
         self.beacon = ProgressBeacon(self.paths.progress(self.report.rank))
-        self.beacon.on_tick = RankAccount(self.paths, self.report.rank).maybe_answer
+        self.beacon.on_tick = RankAccount(self.paths, self.report.rank, phases).maybe_answer
         self.recorder: Any = None
         self.dist: Any = None
         self.undo_ddp_timing: Callable[[], None] = lambda: None

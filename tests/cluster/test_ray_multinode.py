@@ -247,3 +247,41 @@ def test_ranks_on_the_worker_node_are_live_on_the_submitting_console_and_endpoin
 def _result_of(out: Path) -> dict:
     (result_file,) = out.rglob("result.json")
     return json.loads(result_file.read_text())
+
+
+def test_a_hang_on_the_worker_node_is_named_from_evidence_gathered_there(ray_two_nodes, tmp_path):
+    """`launch --address`: the rank on the worker node sleeps forever at step 20. The launcher
+    inside the Ray job sees the stall, a task pinned to the worker node reads that rank's stacks
+    and flight recorder where its files are (that node's own folder), and the diagnosis comes
+    back over the job's wire to this console and result.json."""
+    from tests.integration.test_hangs import CASES, line_of
+
+    _need_ray_backend("launcher.backends.ray_jobs")
+    cluster, token, address = ray_two_nodes
+    h2 = cluster.hosts[1]
+    job = tmp_path / "job"  # the job's folder travels with it to the cluster (Ray's working_dir)
+    job.mkdir()
+    shutil.copy(REPO / "tests" / "integration" / "hang_job.py", job / "hang_job.py")
+    spec = job / "rayhang2.yaml"
+    spec.write_text(
+        "name: rayhang2\nentrypoint: hang_job:run\nbackend: ray\nparams: {hang: sleep, rank: 1, at: 20}\n"
+        "resources: {cpu_workers: 2}\nray: {placement: strict_spread}\ntimeouts: {rendezvous_s: 60, run_s: 300, hang_s: 6}\n"
+    )
+    env = {k: v for k, v in _ray_env(token).items() if k.startswith("RAY_")}
+    env["PYTHONPATH"] = f"{REPO}:{job}"  # the spec's entrypoint is checked here before submitting
+    done = subprocess.run(cluster.ns_cmd(sys.executable, "-m", "launcher", str(spec), "--address", address, "--out", str(tmp_path / "runs")),
+                          cwd=REPO, env={**_ray_env(token), **env}, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    result = _result_of(tmp_path / "runs")
+    assert result["status"] == "hung", result.get("failure")
+    hang = result["failure"]["hang"]
+    (culprit,) = hang["culprits"]
+    rank_hosts = {r["rank"]: r["host"] for r in result["ranks"]}
+    assert culprit["rank"] == 1 and culprit["line"] == line_of(CASES["sleep"][1]) and culprit["host"] == rank_hosts[1], hang
+    assert "HUNG: rank 1 on" in " ".join(done.stdout.split()), done.stdout[-3000:]
+    # each rank was found where it was, on its own node: the worker node's too (its stacks and collectives read there)
+    worker_rank = next(rank for rank, host in rank_hosts.items() if host == h2.address)
+    group = next(g for g in hang["groups"] if worker_rank in g["ranks"])
+    expected = "time.sleep(FOREVER_S)" if worker_rank == 1 else "dist.all_reduce(grads)"
+    assert group["where"].startswith("hang_job.py:") and group["where"].endswith(expected), hang
+    print(f"worker node {h2.address}: {hang['summary']}")  # noqa: T201

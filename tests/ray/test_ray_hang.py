@@ -17,7 +17,7 @@ from tests.ray.conftest import REPO, descendants, launch, wait_no_orphans
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("hang", ["sleep", "stop"])
+@pytest.mark.parametrize("hang", sorted(CASES))
 @pytest.mark.usefixtures("no_ray_driver")
 def test_a_hung_actor_is_named_with_its_line_and_nothing_is_left(tmp_path: Path, hang: str) -> None:
     spec = tmp_path / "rayhang.yaml"

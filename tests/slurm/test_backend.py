@@ -192,26 +192,27 @@ def test_a_failing_rank_is_the_root_cause_with_its_host(slurm_rig: SlurmRig, lau
     assert "FAILED: rank 1 on n2" in run.output()
 
 
-@pytest.mark.parametrize("hang", ["sleep", "stop"])
+@pytest.mark.parametrize("hang", ["lock", "skip", "sleep", "stop"])
 def test_a_hung_rank_on_the_second_node_is_named_from_an_srun_step_there(slurm_rig: SlurmRig, launcher, tmp_path: Path, hang: str):
-    """Rank 1, on n2, sleeps forever at step 20 (or its process is frozen): the launcher inside
+    """Rank 3, on n2, hangs at step 20 (each of hang_job.py's four ways): the launcher inside
     the allocation sees the stall, gathers n2's evidence with one more step there (srun
     --overlap: py-spy, the ranks' flight recorders) and names the rank, its node and its line;
     the job ends, exit 1."""
     from tests.integration.test_hangs import CASES, line_of
 
     rig = slurm_rig
-    spec = write_spec(tmp_path, f"hung-{hang}", entrypoint="tests.integration.hang_job:run", params={"hang": hang, "rank": 1, "at": 20},
-                      timeouts={"hang_s": 6})  # fmt: skip
+    # world 4 (two ranks a node): a skipped collective is told from the majority's
+    spec = write_spec(tmp_path, f"hung-{hang}", entrypoint="tests.integration.hang_job:run", params={"hang": hang, "rank": 3, "at": 20},
+                      timeouts={"hang_s": 6}, resources={"nodes": 2, "cpu_workers": 2})  # fmt: skip
     run = launcher(rig, str(spec))
     assert run.wait(180) == 1, run.output()
     result = result_of(run.run_dir())
     info = result["failure"]["hang"]
     why, marker = CASES[hang]
     (culprit,) = info["culprits"]
-    assert (culprit["rank"], culprit["host"], culprit["line"]) == (1, "n2", line_of(marker)) and why in culprit["why"], info
+    assert (culprit["rank"], culprit["host"], culprit["line"]) == (3, "n2", line_of(marker)) and why in culprit["why"], info
     print(run.output()[-1200:])
-    assert result["status"] == "hung" and "HUNG: rank 1 on n2 (cpu)" in " ".join(run.output().split())
+    assert result["status"] == "hung" and "HUNG: rank 3 on n2 (cpu)" in " ".join(run.output().split())
     assert wait_queue_empty(rig, 15) < 15 and rig.wait_clean(10) == {}, rig.describe(rig.leftovers())
 
 

@@ -206,3 +206,18 @@ def test_an_early_finisher_and_a_late_starter_are_not_a_hang():
         return progress({0: rank0[1], 1: min(int(t * 10), 5)}, phases={0: rank0[0], 1: "running" if t < 1 else "finished"}, t=t)
 
     assert run_watch(HangPolicy(10), frames)[0] is None
+
+
+def test_a_rank_frozen_before_its_last_beacons_left_is_named_by_its_silence():
+    """A Ray actor frozen right after it started running: the launcher's last beacon of it says
+    'importing', and no other comes; the others count 20 steps and wait."""
+
+    def frames(t):
+        if t >= 60:
+            return None
+        return progress({0: min(int(t * 10), 20), 1: 0, 2: min(int(t * 10), 20)}, phases={1: "importing"},
+                        beacons={0: t, 1: 0.2, 2: t}, t=t)  # fmt: skip
+
+    stall, at = run_watch(HangPolicy(10), frames)
+    assert stall is not None and stall.kind == "silent" and [r.rank for r in stall.ranks] == [1], stall
+    assert at <= 12.0

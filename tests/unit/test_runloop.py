@@ -385,7 +385,8 @@ def stalled_evidence() -> list[RankEvidence]:
     c10d = StackFrame("all_reduce", "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 3252)
     calls = lambda last: tuple(CollectiveCall(n, "all_reduce", "scheduled", ((8,),)) for n in range(last - 1, last + 1))  # noqa: E731
     return [
-        RankEvidence(0, "h", 100, "sleeping", "py-spy", (ThreadStack("MainThread", (c10d, frame(95, "dist.all_reduce(g)")), True),), calls(8), True),
+        RankEvidence(0, "h", 100, "sleeping", "py-spy", (ThreadStack("MainThread", (c10d, frame(95, "dist.all_reduce(g)")), True),), calls(8), True,
+                     phases={"spawned": 1.0, "imported": 2.0, "joined": 2.5, "pg_ready": 2.6, "first_step": 3.0}),  # fmt: skip
         RankEvidence(1, "h", 101, "sleeping", "py-spy", (ThreadStack("MainThread", (frame(88, "time.sleep(60)"),), True),), calls(7), True),
     ]
 
@@ -407,6 +408,8 @@ def test_a_stage_whose_ranks_stop_counting_is_hung_with_the_evidence_kept(tmp_pa
     assert json.loads((hang_dir / "diagnosis.json").read_text())["culprits"][0]["rank"] == 1
     assert json.loads((hang_dir / "evidence_rank0.json").read_text())["collectives"][-1]["seq"] == 8
     assert "time.sleep(60)" in (hang_dir / "stacks.txt").read_text()
+    # the phases a stopped rank gave in its evidence date its report (the summary table's columns)
+    assert outcome.reports[0].status == RankStatus.STOPPED and outcome.reports[0].phases["imported"] == 2.0
 
 
 def test_on_hang_restart_counts_against_max_restarts_and_keeps_each_diagnosis(tmp_path: Path) -> None:
