@@ -1,7 +1,7 @@
 """Hangs on this machine, with real torchrun ranks: each injected hang is noticed from the live
 stream, every rank's evidence gathered (py-spy from outside, the flight recorder's collectives),
-the culprit named with its host and file:line, everything torn down, exit 1; and no false alarm
-for pauses shorter than ``hang_s``, irregular steps or a rank that finished early.
+the culprit named with its host and file:line, everything torn down, exit 1 (no false alarm:
+test_hang_false_alarms.py).
 
 The injected hangs are in ``tests/integration/hang_job.py`` (nothing in it knows about hangs).
 """
@@ -114,41 +114,6 @@ def test_on_hang_restart_keeps_each_attempts_diagnosis(tmp_path):
     first = json.loads((run_dir / "world2" / "attempt0" / "hang" / "diagnosis.json").read_text())
     assert first["culprits"][0]["rank"] == 1 and "restarting the group" in done.stdout
     assert result["failure"]["hang"]["culprits"][0]["rank"] == 1
-
-
-FALSE_ALARM_RUNS = 20
-AT_ONCE = 4
-
-
-def test_no_false_alarm_in_twenty_runs_with_pauses_irregular_steps_and_an_early_finisher(tmp_path):
-    """Twenty runs, four at a time on this 2-core machine: every rank pauses hang_s/2 once (a
-    checkpoint), steps take 20-120 ms at random; every fifth run, rank 1 finishes early and the
-    others step on alone for longer than hang_s. None may be reported hung."""
-    hang_s = 5.0
-    specs = []
-    for i in range(FALSE_ALARM_RUNS):
-        if i % 5 == 4:
-            params = {"hang": "early", "rank": 1, "at": 5, "steps": 120, "step_s": 0.06}
-        else:
-            params = {"hang": "pause", "at": 10, "pause_s": hang_s / 2, "steps": 25, "step_s": 0.02, "jitter_s": 0.1}
-        specs.append(hang_spec(tmp_path, f"calm{i}", params=params, hang_s=hang_s))
-    statuses = {}
-    for batch in range(0, FALSE_ALARM_RUNS, AT_ONCE):
-        procs = {
-            spec.stem: subprocess.Popen([sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs"), "--no-metrics"],
-                                        cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-            for spec in specs[batch : batch + AT_ONCE]
-        }
-        try:
-            for name, proc in procs.items():
-                proc.wait(timeout=180)
-                statuses[name] = result_of(next((tmp_path / "runs" / name).iterdir()))["status"]
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-    assert statuses == {f"calm{i}": "succeeded" for i in range(FALSE_ALARM_RUNS)}, statuses
 
 
 DDP_SCRIPT = """\
