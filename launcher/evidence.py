@@ -14,6 +14,13 @@ from pathlib import PurePath
 from typing import Any, Mapping
 
 RANK_RUNNER = "launcher/runtime/worker.py"  # where run_rank is: its thread is the rank's
+# frames in these are not the job's own code: installed packages (torch), the launcher's runtime,
+# the standard library, code without a file
+_NOT_JOB_CODE = ("/site-packages/", "/dist-packages/", "/launcher/runtime/", "/lib/python3", "<frozen ", "<string>")
+
+
+def is_job_code(filename: str) -> bool:
+    return not any(part in filename for part in _NOT_JOB_CODE)
 
 
 @dataclass(frozen=True)

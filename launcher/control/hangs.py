@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from launcher.evidence import CollectiveCall, RankEvidence, StackFrame
+from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, is_job_code
 from launcher.records import HangCulprit, HangDiagnosis, HangGroup, HangPolicy
 from launcher.stage.plan import RankSlot
 from launcher.stage.watch import StageProgress
@@ -115,11 +115,7 @@ def job_frame(evidence: RankEvidence) -> StackFrame | None:
     main = evidence.main_thread()
     if main is None or not main.frames:
         return None
-    return next((f for f in main.frames if _is_job_code(f.filename)), main.frames[0])
-
-
-def _is_job_code(filename: str) -> bool:
-    return not any(part in filename for part in ("/site-packages/", "/dist-packages/", "/launcher/runtime/", "/lib/python3", "<frozen "))
+    return next((f for f in main.frames if is_job_code(f.filename)), main.frames[0])
 
 
 def _in_torch_call(evidence: RankEvidence) -> bool:
@@ -128,7 +124,7 @@ def _in_torch_call(evidence: RankEvidence) -> bool:
     if main is None:
         return False
     for frame in main.frames:  # innermost first
-        if _is_job_code(frame.filename):
+        if is_job_code(frame.filename):
             return False
         if "/torch/" in frame.filename:
             return True

@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack
+from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack, is_job_code
 from launcher.procutil import read_json, stage_worker_pids, write_json_atomic
 from launcher.protocol import StagePaths
 
@@ -42,8 +42,6 @@ FR_BUFFER_ENTRIES = "2000"  # collectives kept per rank: a few MB at most, a rin
 LAST_COLLECTIVES = 8  # how many of them a rank's account carries
 PY_SPY_TIMEOUT_S = 10.0
 ACCOUNT_WAIT_S = 3.0  # a rank's beacon thread looks for the request every 0.5 s
-# frames of these are not the job's own code: torch, the launcher's runtime, the standard library
-_NOT_JOB_CODE = ("/site-packages/", "/dist-packages/", "/launcher/runtime/", "/lib/python3", "<frozen ", "<string>")
 _PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "disk-wait", "T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}
 
 
@@ -54,10 +52,6 @@ def enable_flight_recorder(torch_version: str) -> None:
     name = "TORCH_FR_BUFFER_SIZE" if (major, minor) >= (2, 7) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
     if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
         os.environ[name] = FR_BUFFER_ENTRIES
-
-
-def is_job_frame(filename: str) -> bool:
-    return not any(part in filename for part in _NOT_JOB_CODE)
 
 
 # ------------------------------------------------------------------------------------- rank side
@@ -137,7 +131,7 @@ def _collective(entry: dict[str, Any]) -> CollectiveCall:
     op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
     sizes = tuple(tuple(int(n) for n in s) for s in entry.get("input_sizes") or () if isinstance(s, list))
     frames = [f for f in entry.get("frames") or () if isinstance(f, dict)]
-    caller = next((_frame(f) for f in frames if is_job_frame(str(f.get("filename")))), None)
+    caller = next((_frame(f) for f in frames if is_job_code(str(f.get("filename")))), None)
     return CollectiveCall(int(entry["collective_seq_id"]), op, str(entry.get("state", "?")), sizes, caller)
 
 
