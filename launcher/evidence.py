@@ -70,23 +70,17 @@ class CollectiveCall:
     op: str  # "all_reduce", "broadcast", ... (the process-group backend's prefix removed)
     state: str  # "scheduled", "started", "completed" (gloo records "scheduled" only)
     sizes: tuple[tuple[int, ...], ...] = ()  # the input tensors' shapes
-    caller: StackFrame | None = None  # the innermost frame of the job's code that made the call
 
     def label(self) -> str:
         return f"{self.op} #{self.seq}"
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"seq": self.seq, "op": self.op, "state": self.state, "sizes": [list(s) for s in self.sizes]}
-        if self.caller is not None:
-            data["caller"] = self.caller.to_dict()
-        return data
+        return {"seq": self.seq, "op": self.op, "state": self.state, "sizes": [list(s) for s in self.sizes]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CollectiveCall:
-        caller = data.get("caller")
         sizes = tuple(tuple(int(n) for n in s) for s in data.get("sizes") or () if isinstance(s, (list, tuple)))
-        return cls(int(data.get("seq") or 0), str(data.get("op", "?")), str(data.get("state", "?")), sizes,
-                   StackFrame.from_dict(caller) if isinstance(caller, Mapping) else None)  # fmt: skip
+        return cls(int(data.get("seq") or 0), str(data.get("op", "?")), str(data.get("state", "?")), sizes)
 
 
 @dataclass(frozen=True)

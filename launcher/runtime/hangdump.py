@@ -25,6 +25,7 @@ import contextlib
 import json
 import linecache
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack, is_job_code
+from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack
 from launcher.procutil import read_json, stage_worker_pids, write_json_atomic
 from launcher.protocol import StagePaths
 
@@ -42,7 +43,9 @@ FR_BUFFER_ENTRIES = "2000"  # collectives kept per rank: a few MB at most, a rin
 LAST_COLLECTIVES = 8  # how many of them a rank's account carries
 PY_SPY_TIMEOUT_S = 10.0
 ACCOUNT_WAIT_S = 3.0  # a rank's beacon thread looks for the request every 0.5 s
-_PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "disk-wait", "T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}
+# psutil's process status -> what the evidence says
+_PROCESS_STATES = {"running": "running", "sleeping": "sleeping", "idle": "sleeping", "disk-sleep": "disk-wait", "stopped": "stopped",
+                   "tracing-stop": "stopped", "zombie": "gone", "dead": "gone"}  # fmt: skip
 
 
 def enable_flight_recorder(torch_version: str) -> None:
@@ -73,9 +76,7 @@ class RankAccount:
         if asked == self._answered:
             return
         self._answered = asked
-        collectives, recorder = _flight_record()
-        if recorder:
-            _write_trace(self.paths.flight_record(self.rank))
+        collectives, recorder = _flight_record(self.paths.flight_record(self.rank))
         account = {"threads": [t.to_dict() for t in _own_threads()], "collectives": [c.to_dict() for c in collectives], "recorder": recorder,
                    "phases": dict(self.phases)}  # fmt: skip
         write_json_atomic(self.paths.rank_account(self.rank), account, durable=False)
@@ -93,18 +94,23 @@ def _own_threads() -> list[ThreadStack]:
     return sorted(stacks, key=lambda t: not t.main)
 
 
-def _flight_record() -> tuple[list[CollectiveCall], bool]:
-    """The last collectives torch's flight recorder holds for this process, oldest first, and
-    whether the recorder answered (torch imported, a process group made)."""
+def _flight_record(dump_to: Path) -> tuple[list[CollectiveCall], bool]:
+    """Torch's dump of this process's flight recorder, written to ``dump_to`` as torch writes it
+    (a pickle its ``torchfrtrace`` reads), and its last collectives, oldest first; and whether
+    the recorder answered (torch imported, a process group made)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return [], False
     try:
         import torch._C._distributed_c10d as c10d
 
-        trace = json.loads(c10d._dump_fr_trace_json(True, False))  # type: ignore[attr-defined]  # torch's private API, in 2.5+
+        dump = c10d._dump_fr_trace(True, False)  # type: ignore[attr-defined]  # torch's private API, in 2.5+
+        trace = pickle.loads(dump)
     except Exception:  # noqa: BLE001 - an older torch without the recorder: the stacks still say a lot
         return [], False
+    tmp = dump_to.with_name(dump_to.name + ".tmp")
+    tmp.write_bytes(dump)
+    os.replace(tmp, dump_to)
     entries = [e for e in trace.get("entries") or () if isinstance(e, dict) and e.get("collective_seq_id")]
     kept = entries[-LAST_COLLECTIVES:]
     if any(e.get("state") == "completed" for e in entries):  # NCCL: the host may be far ahead of the device
@@ -114,25 +120,10 @@ def _flight_record() -> tuple[list[CollectiveCall], bool]:
     return [_collective(e) for e in kept], True
 
 
-def _write_trace(path: Path) -> None:
-    """torch's own dump of the recorder (a pickle), as its ``torchfrtrace`` reads it."""
-    try:
-        import torch._C._distributed_c10d as c10d
-
-        dump = c10d._dump_fr_trace(True, False)  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - the summary in the account is what the diagnosis needs
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(dump)
-    os.replace(tmp, path)
-
-
 def _collective(entry: dict[str, Any]) -> CollectiveCall:
     op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
     sizes = tuple(tuple(int(n) for n in s) for s in entry.get("input_sizes") or () if isinstance(s, list))
-    frames = [f for f in entry.get("frames") or () if isinstance(f, dict)]
-    caller = next((_frame(f) for f in frames if is_job_code(str(f.get("filename")))), None)
-    return CollectiveCall(int(entry["collective_seq_id"]), op, str(entry.get("state", "?")), sizes, caller)
+    return CollectiveCall(int(entry["collective_seq_id"]), op, str(entry.get("state", "?")), sizes)
 
 
 # ------------------------------------------------------------------------------------- host side
@@ -192,11 +183,15 @@ def _await_accounts(paths: StagePaths, ranks: list[int], wait_s: float) -> dict[
 
 
 def _process_state(pid: int) -> str:
+    import psutil
+
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
         return "gone"
-    return _PROCESS_STATES.get(stat[stat.rindex(")") + 2 :].split(" ", 1)[0], "unknown")
+    except psutil.Error:
+        return "unknown"
+    return _PROCESS_STATES.get(status, "unknown")
 
 
 def py_spy_binary() -> str | None:
