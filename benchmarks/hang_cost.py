@@ -28,13 +28,13 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO, base_parser, fmt, machine_info, rotate, summary, write_result  # noqa: E402
+from benchmarks.straggler_overhead import ddp_steps_us, mlp  # noqa: E402
 
 VARIANTS = ("off", "on")
 
@@ -56,19 +56,9 @@ def _rank(rank: int, store_path: str, variant: str, steps: int, out_path: str) -
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]), bucket_cap_mb=0.25)
-    opt, x = torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(32, 256)
-    for _ in range(10):  # warm-up
-        opt.zero_grad()
-        model(x).sum().backward()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.zero_grad()
-        model(x).sum().backward()
-        opt.step()
-    step_us = (time.perf_counter() - t0) / steps * 1e6
+    model = DDP(mlp(torch), bucket_cap_mb=0.25)
+    ddp_steps_us(torch, dist, model, 10)  # warm-up
+    step_us = ddp_steps_us(torch, dist, model, steps)
     if rank == 0:
         Path(out_path).write_text(json.dumps(step_us))
     dist.destroy_process_group()

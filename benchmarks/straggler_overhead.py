@@ -27,7 +27,14 @@ from benchmarks.common import base_parser, fmt, machine_info, summary, write_res
 VARIANTS = ("plain", "timed", "python_comm_hook")
 
 
-def _steps_us(torch: Any, dist: Any, model: Any, steps: int) -> float:
+def mlp(torch: Any) -> Any:
+    """The benchmark's model: 8 x 256x256 linear layers, the same weights every time."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+
+
+def ddp_steps_us(torch: Any, dist: Any, model: Any, steps: int) -> float:
+    """Microseconds per training step of ``model`` (a fresh SGD, one fixed batch), from a barrier."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 256)
     dist.barrier()
@@ -52,19 +59,15 @@ def _rank(rank: int, store_path: str, reps: int, steps: int, out_path: str) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
 
-    def model() -> Any:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for _ in range(reps):  # interleaved: every variant sees the same machine
-        times["plain"].append(_steps_us(torch, dist, DDP(model(), bucket_cap_mb=0.25), steps))
+        times["plain"].append(ddp_steps_us(torch, dist, DDP(mlp(torch), bucket_cap_mb=0.25), steps))
         undo = install_ddp_timing(WorkClock())
-        times["timed"].append(_steps_us(torch, dist, DDP(model(), bucket_cap_mb=0.25), steps))
+        times["timed"].append(ddp_steps_us(torch, dist, DDP(mlp(torch), bucket_cap_mb=0.25), steps))
         undo()
-        hooked = DDP(model(), bucket_cap_mb=0.25)
+        hooked = DDP(mlp(torch), bucket_cap_mb=0.25)
         hooked.register_comm_hook(None, allreduce_hook)
-        times["python_comm_hook"].append(_steps_us(torch, dist, hooked, steps))
+        times["python_comm_hook"].append(ddp_steps_us(torch, dist, hooked, steps))
     if rank == 0:
         Path(out_path).write_text(json.dumps(times))
     dist.destroy_process_group()
