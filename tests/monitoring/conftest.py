@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -18,13 +17,8 @@ from typing import Any, Callable
 
 import pytest
 
+from tests.ports import unshared_port
 from tests.waiting import poll
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
@@ -75,7 +69,7 @@ def start_prometheus(tmp_path: Path, request: pytest.FixtureRequest) -> Callable
 
     def start(config: Path) -> Prometheus:
         for _attempt in range(3):  # a free port can be taken between probing and binding
-            port = free_port()
+            port = unshared_port()
             log = tmp_path / f"prometheus-{port}.log"
             with open(log, "wb") as out:
                 proc = subprocess.Popen(

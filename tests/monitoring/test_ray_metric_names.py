@@ -25,7 +25,8 @@ pytest.importorskip("prometheus_client")
 
 from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample
 from tests.conftest import REPO
-from tests.monitoring.conftest import free_port, wait_for
+from tests.monitoring.conftest import wait_for
+from tests.ports import unshared_port
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +90,7 @@ def test_ray_and_the_endpoint_share_names_and_labels_under_rays_generated_config
         "RAY_metrics_report_interval_ms": "1000",  # workers report to the node's agent every second
     }
     log = open(tmp_path / "driver.log", "w")
-    driver = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(temp_dir), str(stop_file), JOB, RUN_ID, str(STEP_S), str(free_port())],
+    driver = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(temp_dir), str(stop_file), JOB, RUN_ID, str(STEP_S), str(unshared_port())],
                               env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     endpoint = MetricsEndpoint()
     try:

@@ -33,7 +33,8 @@ import psutil
 import pytest
 
 from launcher import procutil
-from launcher.procutil import free_port, pid_alive, wait_gone
+from launcher.procutil import pid_alive, wait_gone
+from tests.ports import unshared_port
 
 pytest.importorskip("ray")
 
@@ -148,7 +149,7 @@ def _ray_argv(*args: str, **ports: int) -> list[str]:
 def _node_ports() -> dict[str, int]:
     names = ("node_manager_port", "object_manager_port", "metrics_export_port", "dashboard_agent_listen_port",
              "dashboard_agent_grpc_port", "runtime_env_agent_port")
-    return {name: free_port() for name in names}
+    return {name: unshared_port() for name in names}
 
 
 @contextlib.contextmanager
@@ -169,11 +170,11 @@ def ray_cluster(head_cpus: int = 4, worker_cpus: tuple[int, ...] = ()) -> Iterat
         **({} if worker_cpus else {_LOOPBACK_ONLY_ENV: "0"}),
     }
     common = ("--node-ip-address", "127.0.0.1", "--num-gpus", "0", "--disable-usage-stats", "--object-store-memory", str(256 * 1024**2))
-    dash, gcs = free_port(), free_port()
+    dash, gcs = unshared_port(), unshared_port()
     head_argv = _ray_argv(
         "--head", "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--num-cpus", str(head_cpus),
         "--temp-dir", str(temp_dir), *common,
-        port=gcs, dashboard_port=dash, ray_client_server_port=free_port(), **_node_ports(),
+        port=gcs, dashboard_port=dash, ray_client_server_port=unshared_port(), **_node_ports(),
     )
     logs = [open(temp_dir / "head.log", "w")]  # noqa: SIM115
     procs = [subprocess.Popen(head_argv, env=env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)]
