@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import signal
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,6 +27,10 @@ ENV_RAY_CONNECT = "GPULAUNCH_RAY_CONNECT"  # inside a Ray job: connect to the cl
 ENV_GRANTED_GPU = "GPULAUNCH_GRANTED_GPU"  # the GPU Ray granted this rank's actor
 ENV_RANK_SERVER_PID = "GPULAUNCH_RANK_SERVER_PID"  # the forkserver that forked this rank
 ENV_SLURM_INSIDE = "GPULAUNCH_SLURM_INSIDE"  # set by the sbatch script: the launcher runs inside its Slurm job
+
+# The launcher's stop notice to a rank (a preemption, Ctrl-C, ``launch stop``): ``ctx.should_stop``
+# turns true and the job has ``stop_grace_s`` to save and return. SIGUSR1 is the stack dump's.
+STOP_NOTICE_SIGNAL = signal.SIGUSR2
 
 # --- tagged lines on an agent's or a host helper's output ---------------------------------------
 AGENT_FAILURE_TAG = "gpulaunch-agent-failure: "  # one JSON record per failed rank
@@ -101,6 +106,11 @@ class StagePaths:
         return self.torchelastic / f"node{node_rank}"
 
     @property
+    def checkpoints(self) -> Path:
+        """Where ``ctx.checkpoint`` keeps the stage's checkpoints when the spec names no ``checkpoint.dir``."""
+        return self.root / "checkpoints"
+
+    @property
     def hang_dir(self) -> Path:
         """A stalled stage's evidence (on each rank's host while it is gathered; on the launching
         machine, every rank's, once it is)."""
@@ -142,6 +152,14 @@ class WorkerConfig:
     run_id: str = ""  # the run this stage belongs to (metrics labels)
     # straggler detection: time the job's DDP models (gradient and optimizer hooks; spec: monitoring.stragglers)
     time_ddp: bool = True
+    # ``ctx.checkpoint``: where this stage's checkpoints live on every host (a shared filesystem's
+    # path, or the same path on each host's own disk), how many complete ones to keep, and what a
+    # checkpoint must carry to be this job's (its name and program: ``job_identity``)
+    checkpoint_dir: str = ""
+    checkpoint_keep: int = 2
+    job_identity: str = ""
+    attempt: int = 0  # 0 for the stage's first start, then one more per restart
+    stop_grace_s: float = 60.0  # a stop notice's deadline: the seconds the job has to save and return
 
     @property
     def paths(self) -> StagePaths:
@@ -190,6 +208,22 @@ def is_peer_loss(error: RankError) -> bool:
     return bool(PEER_LOSS.search(f"{error.type}: {error.message}"))
 
 
+@dataclass(frozen=True)
+class CheckpointActivity:
+    """What ``ctx.checkpoint`` did in one rank: the step it resumed from, the last step saved or
+    resumed from, and the seconds its saves and loads took."""
+
+    resumed_step: int | None = None
+    last_step: int | None = None
+    save_s: float = 0.0
+    load_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CheckpointActivity":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
 # The error types of ranks that went with their host rather than failing themselves (written by
 # the launcher, never raised by a rank): a lost SSH host, a lost Slurm node, a Ray actor that died.
 HOST_LOST = "HostLost"
@@ -218,6 +252,8 @@ class RankReport:
     restart: int = 0
     rendezvous: str | None = None
     last_phase: str | None = None  # for a rank that wrote no report: where its beacon stopped
+    checkpoint: CheckpointActivity | None = None  # what ctx.checkpoint did in this rank
+    stop_notice: str | None = None  # why the job was told to stop (it may have returned early for it)
     log: str | None = None  # the rank's log file, when it exists
     report_version: int = REPORT_VERSION
 
@@ -237,6 +273,8 @@ class RankReport:
         values["status"] = RankStatus(values.get("status", RankStatus.FAILED))
         if isinstance(values.get("error"), Mapping):
             values["error"] = RankError.from_dict(values["error"])
+        if isinstance(values.get("checkpoint"), Mapping):
+            values["checkpoint"] = CheckpointActivity.from_dict(values["checkpoint"])
         return cls(**values)
 
     @classmethod
@@ -258,6 +296,12 @@ class RankProgress:
     work_s: float | None = None  # own work per step (not waiting for peers), median of recent steps
     work_mad_s: float | None = None  # how much those steps vary: their median absolute deviation
     work_n: int | None = None  # how many recent steps the figure covers
+    # checkpoints (``ctx.checkpoint``): the last step saved, the rank's own step count when it was
+    # saved (what a failure after it loses), the step this attempt resumed from
+    ckpt_step: int | None = None
+    ckpt_at: int | None = None
+    resumed_step: int | None = None
+    watches_stop: bool | None = None  # the job reads ctx.should_stop: a stop notice lets it save first
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -277,7 +321,15 @@ class RankProgress:
             work_s=float(work) if isinstance(work := data.get("work_s"), (int, float)) else None,
             work_mad_s=float(mad) if isinstance(mad := data.get("work_mad_s"), (int, float)) else None,
             work_n=int(n) if isinstance(n := data.get("work_n"), int) else None,
+            ckpt_step=_int_or_none(data.get("ckpt_step")),
+            ckpt_at=_int_or_none(data.get("ckpt_at")),
+            resumed_step=_int_or_none(data.get("resumed_step")),
+            watches_stop=True if data.get("watches_stop") is True else None,
         )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def rank_event_lines(*, beacons: Mapping[int, Mapping[str, Any]] | None = None, report: Mapping[str, Any] | None = None, key: str = "") -> list[str]:

@@ -69,6 +69,55 @@ class FailureReason(str, enum.Enum):
         }.get(self, RunStatus.FAILED)
 
 
+class FailureClass(str, enum.Enum):
+    """What kind of failure ended an attempt: what ``restart_on`` chooses among."""
+
+    JOB_ERROR = "job_error"  # an exception raised by the job's own code
+    OOM = "oom"  # the kernel's OOM killer, or the device out of memory
+    HOST_LOST = "host_lost"  # an SSH host, a Slurm node that stopped answering
+    RANK_LOST = "rank_lost"  # a rank killed by a signal, or that exited without an exception; a Ray actor that died
+    HANG = "hang"  # no progress for timeouts.hang_s
+    RENDEZVOUS = "rendezvous"  # the ranks could not meet (store, timeout) before the job ran
+    TIMEOUT = "timeout"  # timeouts.run_s ran out
+    STOPPED = "stopped"  # Ctrl-C, SIGTERM, launch stop: never restarted
+    PREEMPTED = "preempted"  # stopped after a notice the job saved for: ``launch resume`` continues it
+
+    @classmethod
+    def restartable(cls) -> tuple["FailureClass", ...]:
+        """Every class a restart can be for ("all" in restart_on): not a user's stop."""
+        return tuple(c for c in cls if c not in (cls.STOPPED, cls.PREEMPTED))
+
+
+# restart_on's default: what a restart is for (not a bug in the job, not a timeout it was given)
+DEFAULT_RESTART_ON: tuple[Any, ...] = ("oom", "host_lost", "rank_lost", "hang", "rendezvous")
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One start of a stage's group: how it ended, why, and what a restart resumed from."""
+
+    attempt: int
+    status: RunStatus
+    started_at: float
+    ended_at: float
+    failure_class: FailureClass | None = None
+    cause: str = ""  # the failure's one line
+    steps: int = 0  # the furthest rank's step count in this attempt
+    resumed_step: int | None = None  # the checkpoint step this attempt started from
+    checkpoint_step: int | None = None  # the last complete checkpoint when it ended
+    lost_steps: int | None = None  # steps done after that checkpoint: what the next attempt does again
+    restarted: bool = False
+    decision: str = ""  # why it was, or was not, restarted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt, "status": self.status.value, "started_at": self.started_at, "ended_at": self.ended_at,
+            "failure_class": self.failure_class.value if self.failure_class else None, "cause": self.cause, "steps": self.steps,
+            "resumed_step": self.resumed_step, "checkpoint_step": self.checkpoint_step, "lost_steps": self.lost_steps,
+            "restarted": self.restarted, "decision": self.decision,
+        }  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RankExit:
     """What the process layer knows about a rank that ended badly (beyond its own report)."""
@@ -128,10 +177,12 @@ class Failure:
     collateral_ranks: tuple[int, ...] = ()
     stuck_ranks: tuple[int, ...] = ()
     hang: HangDiagnosis | None = None
+    failure_class: FailureClass | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = {
             "reason": self.reason.value,
+            "failure_class": self.failure_class.value if self.failure_class else None,
             "summary": self.summary,
             "root_cause": self.root_cause.to_dict() if self.root_cause else None,
             "collateral_ranks": list(self.collateral_ranks),
@@ -201,7 +252,25 @@ class HangPolicy:
     """When a stage counts as hung (``hang_s`` without progress; None: never) and what follows."""
 
     hang_s: float | None = 300.0
-    on_hang: str = "stop"  # "stop" | "restart"
+    on_hang: str | None = None  # "stop" | "restart" | None: as the restart policy says
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Which failures a stage restarts for, how often, and a stop notice's grace."""
+
+    max_restarts: int = 0
+    restart_on: frozenset[FailureClass] = frozenset(FailureClass(c) for c in DEFAULT_RESTART_ON)
+    stop_grace_s: float = 60.0
+
+    @classmethod
+    def of(cls, max_restarts: int, restart_on: tuple[str, ...], on_hang: str | None, stop_grace_s: float) -> "RestartPolicy":
+        classes = set(FailureClass.restartable() if "all" in restart_on else (FailureClass(c) for c in restart_on))
+        if on_hang == "restart":
+            classes.add(FailureClass.HANG)
+        elif on_hang == "stop":
+            classes.discard(FailureClass.HANG)
+        return cls(max_restarts, frozenset(classes), stop_grace_s)
 
 
 @dataclass(frozen=True)
@@ -276,6 +345,7 @@ class StageOutcome:
     rendezvous_port_in_use: bool = False
     load_avg: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # "start"/"end"
     stragglers: list[Straggler] = field(default_factory=list)
+    attempts: list[AttemptRecord] = field(default_factory=list)  # every start of the group, the last one included
 
     @property
     def ok(self) -> bool:

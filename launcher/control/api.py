@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 import yaml
 
 from launcher import backends
-from launcher.control.planning import RunSizing, check_node_split, make_plans, plan_stage, size_run
+from launcher.control.planning import RunSizing, check_node_split, checkpoint_root, make_plans, plan_stage, size_run
+from launcher.control.resume import LAUNCH_FILE, LaunchRecord, check_checkpoint_dirs, check_unchanged, finished_stages, record_launch, set_aside
 from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.masking import mask_env
@@ -36,6 +37,7 @@ from launcher.results.store import RunResult, write_result
 from launcher.runtime.devices import discover
 from launcher.spec.model import LoadedJob, load_job
 from launcher.stage.engine import LaunchRequest, StageEngine, Submission, Submitter
+from launcher.protocol import StagePaths
 from launcher.stage.plan import NodeTarget, StagePlan
 from launcher.stage.watch import PlainEvents, RunEvents, TeeEvents
 
@@ -196,13 +198,16 @@ def run_job(
     metrics: bool = True,
     detach: bool = False,
     run_dir: str | Path | None = None,
+    resume: bool = False,
 ) -> RunResult:
     """Run a job spec to its end and return its result (also written to ``result.json``).
     ``metrics=False`` serves no Prometheus endpoint whatever the spec's ``monitoring`` says.
     A run for a scheduler (``address=``, a Ray cluster; the slurm backend) is submitted and
     followed to its end, or, with ``detach`` (Slurm), returned once submitted (status ``pending``,
     its ``job_id`` and ``run_dir`` in the result's data). ``run_dir``: the run directory to run
-    into (the launcher inside a scheduler's job gets the one its submitter chose)."""
+    into (the launcher inside a scheduler's job gets the one its submitter chose). ``resume``:
+    continue the run in ``run_dir`` (``launch resume``): its finished stages are kept, the others
+    run again and their jobs load their last checkpoints."""
     loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
     events = events or PlainEvents()
     stop = StopRequest() if stop is None else stop  # an unset StopRequest is falsy
@@ -217,7 +222,13 @@ def run_job(
         nodes = resolve_nodes(loaded, cluster)
         sizing = size_run(loaded, nodes)  # impossible requests fail here, before anything is spawned
     run_id = Path(run_dir).name if run_dir else new_run_id()
-    run_dir = _make_run_dir(loaded, Path(run_dir) if run_dir else Path(out).resolve() / loaded.spec.name / run_id, out)
+    run_dir = Path(run_dir) if run_dir else Path(out).resolve() / loaded.spec.name / run_id
+    if nodes is not None and sizing is not None and all(n.ssh is None for n in nodes):  # the checkpoints are on this machine
+        check_checkpoint_dirs(loaded, [checkpoint_root(loaded, StagePaths.of(run_dir, size)) for size in sizing.world_sizes])
+    run_dir = _make_run_dir(loaded, run_dir, out)
+    if not resume and not (run_dir / LAUNCH_FILE).exists():
+        record_launch(loaded, run_dir, backend, cluster_path(loaded, cluster))
+    kept = finished_stages(run_dir) if resume else {}
     started = time.time()
     with _stop_on_signals(stop), _serving_metrics(loaded, run_id, runner.name, events, metrics) as watched:
         with runner.session(loaded):
@@ -225,8 +236,21 @@ def run_job(
                 nodes = runner.pool_nodes(loaded)
                 sizing = size_run(loaded, nodes)
             assert sizing is not None
-            outcomes, cut_short = _run_stages(loaded, runner, nodes, sizing, run_dir, stop, watched)
+            outcomes, cut_short = _run_stages(loaded, runner, nodes, sizing, run_dir, stop, watched, kept=kept if resume else None)
         return finish_run(loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short)
+
+
+def resume_run(
+    run_dir: str | Path, *, events: RunEvents | None = None, stop: StopRequest | None = None, metrics: bool = True
+) -> RunResult:
+    """``launch resume RUN_DIR``: the run in ``run_dir`` continued, same run id, same directory,
+    as it was launched (spec, overrides, backend, cluster file); its unfinished stages' jobs load
+    their last checkpoints. Refuses a spec that changed since the run."""
+    folder = Path(run_dir).resolve()
+    record = LaunchRecord.read(folder)
+    loaded = load_job(record.spec, list(record.overrides))
+    check_unchanged(loaded, record, folder)
+    return run_job(loaded, backend=record.backend, cluster=record.cluster, run_dir=folder, resume=True, events=events, stop=stop, metrics=metrics)
 
 
 def _submit(loaded: LoadedJob, runner: Submitter, *, out: Path, events: RunEvents, stop: StopRequest, metrics: bool, detach: bool) -> RunResult:
@@ -286,14 +310,23 @@ def _run_stages(
     run_dir: Path,
     stop: StopRequest,
     events: RunEvents,
+    *,
+    kept: Mapping[int, StageOutcome] | None = None,
 ) -> tuple[list[StageOutcome], Failure | None]:
     """Every stage in turn until one does not succeed. The failure, when a stage could not start
-    or a stop came between stages (the stages before it are kept)."""
+    or a stop came between stages (the stages before it are kept). ``kept``: resuming, the
+    stages that had succeeded (not run again); every other stage's old files are set aside."""
     device_type = sizing.device_type
     for note in sizing.notes:
         events.note(note)
     outcomes: list[StageOutcome] = []
     for size in sizing.world_sizes:
+        if kept is not None and size in kept:
+            events.message(f"world size {size}: succeeded before the resume; kept")
+            outcomes.append(kept[size])
+            continue
+        if kept is not None and (aside := set_aside(StagePaths.of(run_dir, size))) is not None:
+            events.message(f"world size {size}: resuming; the interrupted attempt's files are in {aside}")
         if stop:
             return outcomes, Failure(FailureReason.INTERRUPTED, f"stopped by {stop.reason} before the stage of world size {size}")
         events.stage_started(loaded.spec.name, size, device_type, engine.name)
@@ -317,7 +350,7 @@ def _plan_factory(
 
     def make(attempt: int) -> StagePlan:
         port = rendezvous_port(nodes)
-        return plan_stage(job, nodes, size, device_type, run_dir=run_dir, master_port=port, backend=backend_name)
+        return plan_stage(job, nodes, size, device_type, run_dir=run_dir, master_port=port, backend=backend_name, attempt=attempt)
 
     return make
 

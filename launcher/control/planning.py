@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from launcher.checkpoints import job_identity
 from launcher.errors import PlanError
 from launcher.protocol import StagePaths, WorkerConfig, rank_device
-from launcher.records import HangPolicy, StragglerPolicy
+from launcher.records import HangPolicy, RestartPolicy, StragglerPolicy
 from launcher.stage.plan import NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
 
 if TYPE_CHECKING:  # pydantic and yaml: the planner itself needs neither
@@ -163,8 +164,10 @@ def plan_stage(
     run_dir: Path,
     master_port: int,
     backend: str | None,
+    attempt: int = 0,
 ) -> StagePlan:
-    """The plan of one world size, its ranks spread evenly over ``nodes`` in order."""
+    """The plan of one world size, its ranks spread evenly over ``nodes`` in order; ``attempt``:
+    how many times the stage's group was started before (its restarts)."""
     spec = job.spec
     nproc = world_size // len(nodes)
     paths = StagePaths.of(run_dir, world_size)
@@ -184,9 +187,9 @@ def plan_stage(
         rendezvous=Rendezvous(nodes[0].address, master_port),
         nodes=slots,
         ranks=_rank_slots(slots, device_type),
-        worker=_worker_config(job, paths, device_type, threads),
+        worker=_worker_config(job, paths, device_type, threads, attempt),
         run_timeout_s=spec.timeouts.run_s,
-        max_restarts=spec.max_restarts,
+        restart=RestartPolicy.of(spec.max_restarts, spec.restart_on, spec.timeouts.on_hang, spec.preemption.grace_s),
         spec_env=spec.env,
         placement=spec.ray.placement,
         stragglers=StragglerPolicy(spec.monitoring.straggler_factor, spec.monitoring.straggler_hold_s),
@@ -204,7 +207,12 @@ def _rank_slots(nodes: Sequence[NodeSlot], device_type: str) -> tuple[RankSlot, 
     return tuple(slots)
 
 
-def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads: int | None) -> WorkerConfig:
+def job_identity_of(job: LoadedJob) -> str:
+    """What the job's checkpoints carry to be its own (``launcher.checkpoints.job_identity``)."""
+    return job_identity(job.spec.name, job.spec.entrypoint or job.spec.script or "", job.spec.args)
+
+
+def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads: int | None, attempt: int) -> WorkerConfig:
     spec = job.spec
     return WorkerConfig(
         job=spec.name,
@@ -220,4 +228,19 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         collective_timeout_s=spec.timeouts.collective_s,
         run_id=paths.root.parent.name,
         time_ddp=spec.monitoring.stragglers,
+        checkpoint_dir=str(checkpoint_root(job, paths)),
+        checkpoint_keep=spec.checkpoint.keep,
+        job_identity=job_identity_of(job),
+        attempt=attempt,
+        stop_grace_s=float(spec.preemption.grace_s),
     )
+
+
+def checkpoint_root(job: LoadedJob, paths: StagePaths) -> Path:
+    """Where a stage's checkpoints go: ``checkpoint.dir/world<N>`` (relative to the spec), or the
+    stage directory's ``checkpoints`` (on every host, at the same path)."""
+    setting = job.spec.checkpoint.dir
+    if setting is None:
+        return paths.checkpoints
+    base = Path(setting).expanduser()
+    return (base if base.is_absolute() else job.base_dir / base) / paths.root.name

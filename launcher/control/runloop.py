@@ -19,12 +19,13 @@ from typing import Callable
 
 from launcher.control.diagnosis import explain_failure
 from launcher.control.hangs import Stall, StallWatch, diagnose, stacks_text
+from launcher.control.restarts import AttemptProgress, attempt_record, classify, decide, error_signature
 from launcher.control.stagestate import StageState
 from launcher.control.stragglers import StragglerWatch
 from launcher.masking import scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
-from launcher.protocol import RankProgress, RankReport, is_peer_loss
-from launcher.records import Failure, FailureReason, HangDiagnosis, RunStatus, StageOutcome
+from launcher.protocol import STOP_NOTICE_SIGNAL, RankProgress, RankReport, is_peer_loss
+from launcher.records import AttemptRecord, Failure, FailureClass, FailureReason, HangDiagnosis, RunStatus, StageOutcome
 from launcher.stage.engine import HandleStatus, StageEngine, StageHandle
 from launcher.stage.logrouting import LogRouter
 from launcher.stage.plan import StagePlan
@@ -74,26 +75,39 @@ def run_stage(
     stop: StopRequest,
     events: RunEvents | None = None,
 ) -> StageOutcome:
-    """Run one stage to its end, restarting the group up to ``max_restarts`` times."""
+    """Run one stage to its end, restarting the group for the failures ``restart_on`` names, up
+    to ``max_restarts`` times; each restart's job resumes from the last complete checkpoint."""
     events = events or RunEvents()
     attempt = port_retries = 0
     started, load_at_start = time.time(), load_average()
+    attempts: list[AttemptRecord] = []
+    previous_error = ""
     while True:
         plan = make_plan(attempt)  # a freshly chosen rendezvous port every time
-        outcome = _run_attempt(plan, engine, stop=stop, events=events, restarts=attempt)
-        outcome.started_at, outcome.restarts = started, attempt
+        outcome, progress = _run_attempt(plan, engine, stop=stop, events=events, restarts=attempt)
+        attempt_started, outcome.started_at, outcome.restarts = outcome.started_at, started, attempt
         if outcome.rendezvous_port_in_use and port_retries < PORT_RETRIES and not stop:
             port_retries += 1
             _archive_attempt(plan, f"port-retry{port_retries}")
             events.message(f"rendezvous port {plan.rendezvous.port} was taken before the agent bound it; trying another")
             continue
-        restartable = outcome.status == RunStatus.FAILED or (outcome.status == RunStatus.HUNG and plan.hang.on_hang == "restart")
-        if outcome.ok or not restartable or attempt >= plan.max_restarts or stop:
+        failure_class = classify(outcome)
+        decision = decide(plan.restart, outcome, failure_class, attempt=attempt, previous_error=previous_error, stopping=bool(stop))
+        attempts.append(attempt_record(outcome, progress, failure_class, decision, attempt=attempt, started_at=attempt_started))
+        outcome.attempts = list(attempts)
+        if outcome.failure is not None and failure_class is not None:
+            outcome.failure = replace(outcome.failure, failure_class=failure_class)
+        if not decision.restart:
+            if failure_class not in (None, FailureClass.STOPPED, FailureClass.PREEMPTED) and plan.max_restarts:
+                events.message(f"not restarted: {decision.why}")
             outcome.load_avg = {"start": load_at_start, "end": load_average()}
             return outcome
+        if failure_class == FailureClass.JOB_ERROR and outcome.failure is not None:
+            previous_error = error_signature(outcome.failure.root_cause)
         attempt += 1
         _archive_attempt(plan, f"attempt{attempt - 1}")
-        events.message(f"restarting the group (restart {attempt} of {plan.max_restarts})")
+        saved = f"; the job resumes from the checkpoint of step {progress.checkpoint_step}, {progress.lost_steps} step(s) of work lost" if progress.checkpoint_step is not None else ""
+        events.message(f"restarting the group ({decision.why}){saved}")
 
 
 def _archive_attempt(plan: StagePlan, folder: str) -> None:
@@ -111,9 +125,10 @@ class _Watch:
     fate: RunStatus
     status: HandleStatus | None = None
     hang: HangDiagnosis | None = None
+    noticed: bool = False  # the ranks were told to stop and given the grace to save first
 
 
-def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, events: RunEvents, restarts: int) -> StageOutcome:
+def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, events: RunEvents, restarts: int) -> tuple[StageOutcome, AttemptProgress]:
     plan.paths.reports.mkdir(parents=True, exist_ok=True)
     plan.paths.worker_config.write_text(plan.worker.to_json())
     secrets = secret_values(plan.spec_env)
@@ -140,8 +155,14 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
     fate = watch.fate
     if fate == RunStatus.SUCCEEDED and any(not r.ok for r in reports):
         fate = RunStatus.FAILED
+    noticed = sorted({r.stop_notice for r in reports if r.stop_notice})
+    if fate == RunStatus.SUCCEEDED and (stop or noticed):
+        fate = RunStatus.INTERRUPTED  # the job returned early, for a stop notice: not finished
+    progress = AttemptProgress.of(state.beacons)
     outcome = StageOutcome(plan.world_size, fate, t0, time.time(), script=plan.script_mode, reports=reports, stragglers=stragglers.flagged)
-    if watch.hang is not None:
+    if fate == RunStatus.INTERRUPTED and (watch.noticed or noticed):
+        outcome.failure = _preempted(stop.reason or ", ".join(noticed), progress, plan)
+    elif watch.hang is not None:
         culprits = tuple(c.rank for c in watch.hang.culprits)
         outcome.failure = Failure(FailureReason.HUNG, watch.hang.summary, stuck_ranks=culprits, hang=watch.hang)
     elif fate != RunStatus.SUCCEEDED:
@@ -150,7 +171,14 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
             reason, reports, state.rank_exits(), detail=status.detail, run_timeout_s=plan.run_timeout_s, stop_reason=stop.reason
         )
         outcome.rendezvous_port_in_use = status.rendezvous_port_in_use
-    return outcome
+    return outcome, progress
+
+
+def _preempted(reason: str, progress: AttemptProgress, plan: StagePlan) -> Failure:
+    """A stop the job was told of first: where it got to, and how to go on."""
+    saved = f"its last checkpoint is step {progress.checkpoint_step}" if progress.checkpoint_step is not None else "it saved no checkpoint"
+    summary = f"stopped after a notice ({reason}): {saved}; continue with: launch resume {plan.stage_dir.parent}"
+    return Failure(FailureReason.INTERRUPTED, summary, failure_class=FailureClass.PREEMPTED)
 
 
 def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events: RunEvents, stragglers: StragglerWatch, stalls: StallWatch) -> _Watch:
@@ -159,7 +187,9 @@ def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events:
     plan = handle.plan
     deadline = time.monotonic() + plan.run_timeout_s
     failed_at: float | None = None
+    notice: _Notice | None = None
     next_progress = 0.0
+    resumed_told = False
     while True:
         turn = time.monotonic()
         state.plan = handle.plan  # an engine that placed its ranks has the placed plan now
@@ -167,7 +197,7 @@ def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events:
         status = handle.poll()
         state.apply(handle.take_events())  # what the poll routed (an agent's last lines)
         if status.done:
-            return _Watch(RunStatus.SUCCEEDED if status.ok else RunStatus.FAILED, status)
+            return _Watch(RunStatus.SUCCEEDED if status.ok else RunStatus.FAILED, status, noticed=notice is not None)
         errors = state.errors()
         if any(not is_peer_loss(e) for e in errors):
             return _Watch(RunStatus.FAILED)  # fail fast: do not wait for the others' collective timeouts
@@ -176,8 +206,13 @@ def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events:
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
             return _Watch(RunStatus.FAILED)
-        if stop:
-            return _Watch(RunStatus.INTERRUPTED)
+        if stop and notice is None:
+            notice = _Notice.send(handle, state, events)
+            if notice is None:
+                return _Watch(RunStatus.INTERRUPTED)  # no rank's job watches ctx.should_stop: stop it now
+        if notice is not None and notice.expired():
+            events.message(f"the ranks did not return within preemption.grace_s={plan.restart.stop_grace_s:g}s: stopping them")
+            return _Watch(RunStatus.INTERRUPTED, noticed=True)
         if time.monotonic() > deadline:
             handle.signal_ranks(signal.SIGUSR1)  # every live rank, on every host, dumps its stacks into its log
             time.sleep(STACK_DUMP_WAIT_S)
@@ -188,10 +223,41 @@ def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events:
                 events.message(change.describe())
             events.progress(progress)
             next_progress = time.monotonic() + PROGRESS_EVERY_S
+            if not resumed_told:
+                resumed_told = _tell_resume(state, events)
             stall = stalls.update(progress)
             if stall is not None:
                 return _Watch(RunStatus.HUNG, hang=_diagnose_hang(handle, state, stall, events))
         time.sleep(max(0.0, MIN_TURN_S - (time.monotonic() - turn)))
+
+
+def _tell_resume(state: StageState, events: RunEvents) -> bool:
+    """Once a rank says the job resumed from a checkpoint: which step, in which attempt."""
+    steps = [b.resumed_step for b in state.beacons.values() if b.resumed_step is not None]
+    if not steps:
+        return False
+    events.message(f"attempt {state.restarts + 1}: the job resumed from the checkpoint of step {max(steps)}")
+    return True
+
+
+@dataclass
+class _Notice:
+    """A stop notice sent to the ranks: they save and return before ``deadline``, or are stopped."""
+
+    deadline: float
+
+    @classmethod
+    def send(cls, handle: StageHandle, state: StageState, events: RunEvents) -> "_Notice | None":
+        """Tell every rank to stop, if any rank's job watches ``ctx.should_stop`` (else None)."""
+        if not any(b.watches_stop for b in state.beacons.values()):
+            return None
+        grace = handle.plan.restart.stop_grace_s
+        handle.signal_ranks(STOP_NOTICE_SIGNAL)
+        events.message(f"stop notice sent to every rank: {grace:g}s to save a checkpoint and return (again to stop at once)")
+        return cls(time.monotonic() + grace)
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
 
 
 def _diagnose_hang(handle: StageHandle, state: StageState, stall: Stall, events: RunEvents) -> HangDiagnosis:

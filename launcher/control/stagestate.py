@@ -26,6 +26,7 @@ _PHASE_STAMPS = (("rendezvous", "imported"), ("pg_init", "joined"), ("running", 
 _SCRIPT_STAMPS = (("running", "imported"),)
 _PHASE_ORDER = ("spawning", "starting", "importing", "rendezvous", "pg_init", "running", "finished", "failed")
 _FINAL = (RankStatus.OK, RankStatus.FAILED)
+_STICKY = ("ckpt_step", "ckpt_at", "resumed_step", "watches_stop")
 
 
 class StageState:
@@ -66,7 +67,11 @@ class StageState:
         old = self.beacons.get(event.rank)
         if old is not None and old.t is not None and event.beacon.t is not None and event.beacon.t < old.t:
             return  # an older beacon, late (delivered twice: live, and again at the end)
-        self.beacons[event.rank] = event.beacon
+        beacon = event.beacon
+        if old is not None:  # what a rank said of its checkpoints stays said (a last beacon made elsewhere lacks it)
+            kept = {k: getattr(old, k) for k in _STICKY if getattr(beacon, k) is None and getattr(old, k) is not None}
+            beacon = replace(beacon, **kept) if kept else beacon
+        self.beacons[event.rank] = beacon
         if event.host:
             self.hosts[event.rank] = event.host
         if old is None or old.phase != event.beacon.phase:  # a phase's stamp is its first beacon's time

@@ -66,6 +66,7 @@ def _stage_record(stage: StageOutcome) -> StageRecord:
         failure=stage.failure,
         stragglers=tuple(stage.stragglers),
         load_avg=dict(stage.load_avg),
+        attempts=tuple(stage.attempts),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from launcher.records import Failure, RunStatus, Straggler
+from launcher.records import AttemptRecord, Failure, RunStatus, Straggler
 
 SCHEMA_VERSION = 1
 
@@ -28,6 +28,7 @@ class StageRecord:
     failure: Failure | None = None
     stragglers: tuple[Straggler, ...] = ()  # ranks whose own work per step stayed well above their peers', live
     load_avg: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # "start"/"end"
+    attempts: tuple[AttemptRecord, ...] = ()  # every start of the group: its failure's class, the step it resumed from, the work lost
 
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -38,6 +39,7 @@ class StageRecord:
             "phases": dict(self.phases),
             "failure": self.failure.to_dict() if self.failure else None,
             "stragglers": [s.to_dict() for s in self.stragglers],
+            "attempts": [a.to_dict() for a in self.attempts],
         }
         if self.load_avg:
             doc["load_avg"] = {k: list(v) for k, v in self.load_avg.items()}

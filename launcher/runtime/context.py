@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     import torch
 
+    from launcher.runtime.checkpoint import Checkpoints, StopNotice
     from launcher.runtime.metrics import MetricsRecorder
 
 
@@ -26,6 +27,14 @@ class WorkerContext:
     metrics: "MetricsRecorder"
     stage_dir: Path
     threads: int
+    checkpoint: "Checkpoints"  # save(state, step=...), load(): see launcher.runtime.checkpoint
+    stop_notice: "StopNotice"
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the job was asked to stop (a preemption, Ctrl-C, its host's SIGTERM): save
+        at this step boundary and return; ``stop_notice.seconds_left`` says how long it has."""
+        return self.stop_notice.requested
 
     @property
     def is_main(self) -> bool:

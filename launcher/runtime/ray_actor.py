@@ -21,13 +21,15 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from launcher import metric_names as names
 from launcher.procutil import read_json, write_json_atomic
-from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, RankReport, WorkerConfig, rank_device
+from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, STOP_NOTICE_SIGNAL, RankReport, WorkerConfig, rank_device
+from launcher.runtime.checkpoint import notify_stop
 from launcher.runtime.devices import usable_cpu_count
 
 
@@ -158,7 +160,12 @@ class RankActor:
         return {"lines": lines, "beacon": beacon if isinstance(beacon, dict) else None, "stage_dir": self.stage_dir}
 
     def signal(self, signum: int) -> None:
-        """A signal to this rank's own process (SIGUSR1: its stacks into its output)."""
+        """A signal to this rank's own process (SIGUSR1: its stacks into its output); the stop
+        notice goes to the job directly (its rank runs in one of the actor's threads, where no
+        signal handler can be installed)."""
+        if signum == STOP_NOTICE_SIGNAL:
+            notify_stop("the launcher's stop notice")
+            return
         os.kill(os.getpid(), signum)
 
     def run(self, config_json: str, env: dict[str, str], same_node: bool) -> dict[str, Any]:
@@ -167,7 +174,10 @@ class RankActor:
 
         config = WorkerConfig.from_json(config_json)
         if not same_node:  # the launcher's stage dir is not here: keep files local, return the report
-            config = dataclasses.replace(config, stage_dir=tempfile.mkdtemp(prefix="gpulaunch-"))
+            stage_dir = tempfile.mkdtemp(prefix="gpulaunch-")
+            # checkpoints outlive the attempt: a restart on this node finds them at the same path
+            kept = config.checkpoint_dir or str(Path(tempfile.gettempdir()) / "gpulaunch-checkpoints" / config.job / config.run_id / Path(config.stage_dir).name)
+            config = dataclasses.replace(config, stage_dir=stage_dir, checkpoint_dir=kept)
         self.beacon_path = str(config.paths.progress(self.rank))
         self.stage_dir = config.stage_dir
         os.environ.update(env)

@@ -36,6 +36,7 @@ from launcher.protocol import (  # noqa: E402
     ENV_AGENT_PID,
     ENV_HOST,
     ENV_RANK_SERVER_PID,
+    CheckpointActivity,
     RankError,
     RankReport,
     RankStatus,
@@ -44,6 +45,7 @@ from launcher.protocol import (  # noqa: E402
     is_peer_loss,
     rank_device,
 )
+from launcher.runtime.checkpoint import listen_for_stop_notice  # noqa: E402
 from launcher.runtime.hangdump import RankAccount, enable_flight_recorder  # noqa: E402
 
 
@@ -65,6 +67,8 @@ class ProgressBeacon:
         self._identity = {"pid": os.getpid(), "pid_start": process_start_ticks()}  # see stage_worker_pids
         self._thread = threading.Thread(target=self._loop, name="gpulaunch-progress", daemon=True)
         self.on_tick: Callable[[], None] = lambda: None  # after each write (a stall's request is answered here)
+        self.extra: dict[str, Any] = {}  # the checkpoints' fields (RankProgress)
+        self.watches_stop: Callable[[], bool] = lambda: False  # the job reads ctx.should_stop
 
     def start(self) -> None:
         self.write()
@@ -72,7 +76,9 @@ class ProgressBeacon:
 
     def write(self) -> None:
         try:
-            beacon = {**self._identity, "phase": self.phase, "steps": self.steps(), "t": time.time()}
+            beacon = {**self._identity, **self.extra, "phase": self.phase, "steps": self.steps(), "t": time.time()}
+            if self.watches_stop():
+                beacon["watches_stop"] = True
             work_s = self.work_s()
             if work_s is not None:
                 mad, steps = self.work_spread()
@@ -187,9 +193,16 @@ class _Rank:
     def run_entry(self, entry: Callable[[Any], Any], device: Any) -> None:
         import torch
 
+        from launcher.runtime.checkpoint import Checkpoints, StopNotice
         from launcher.runtime.context import WorkerContext
 
         r = self.report
+        notice = StopNotice(self.config.stop_grace_s, r.world_size)
+        self.beacon.watches_stop = lambda: notice.watched
+        checkpoint = Checkpoints(
+            self.config, rank=r.rank, world_size=r.world_size, local_rank=r.local_rank, device=device,
+            on_saved=self._saved, on_resumed=self._resumed,
+        )  # fmt: skip
         ctx = WorkerContext(
             rank=r.rank,
             local_rank=r.local_rank,
@@ -203,9 +216,25 @@ class _Rank:
             metrics=self.recorder,
             stage_dir=self.paths.root,
             threads=torch.get_num_threads(),
+            checkpoint=checkpoint,
+            stop_notice=notice,
         )
         self.beacon.set_phase("running")
-        r.result = _jsonable(entry(ctx))
+        try:
+            with notice:
+                r.result = _jsonable(entry(ctx))
+        finally:
+            r.checkpoint = CheckpointActivity(checkpoint.resumed_step, checkpoint.last_step, round(checkpoint.save_s, 4), round(checkpoint.load_s, 4))
+            if notice.requested:
+                r.stop_notice = notice.reason
+
+    def _saved(self, step: int) -> None:
+        self.beacon.extra.update(ckpt_step=step, ckpt_at=self.recorder.steps if self.recorder else 0)
+        self.beacon.write()
+
+    def _resumed(self, step: int) -> None:
+        self.beacon.extra.update(resumed_step=step, ckpt_step=step, ckpt_at=self.recorder.steps if self.recorder else 0)
+        self.beacon.write()
 
     def finish(self) -> None:
         """Metrics to the host (kept for a failed rank too), the report written atomically."""
@@ -247,6 +276,7 @@ def run_rank(
     ``ctx.metrics.step()`` (the Ray backend exports them as dashboard metrics); host numbers only.
     """
     started = started_at or _T_STARTED
+    listen_for_stop_notice()
     rank = _Rank(config, env, {"spawned": spawned_at or started, "started": started})
     rank.beacon.start()
     try:

@@ -29,7 +29,7 @@ from pydantic import (
 
 from launcher.errors import SpecError
 from launcher.fieldtypes import Real
-from launcher.records import BackendName
+from launcher.records import DEFAULT_RESTART_ON, BackendName
 from launcher.spec.entrypoint import check_entrypoint
 from launcher.spec.validation import field_label, located_problems
 from launcher.spec.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
@@ -74,6 +74,9 @@ EnvMap = Annotated[
 ]
 
 
+RestartClass = Literal["all", "job_error", "oom", "host_lost", "rank_lost", "hang", "rendezvous", "timeout"]
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -106,8 +109,22 @@ class Timeouts(_Frozen):
     # culprit named. Well under torch's collective timeouts (NCCL 10 min, gloo 30); null: off.
     hang_s: Real | None = Field(300, gt=0, le=30 * 86_400)
     # What a hang does then: "stop" the run (exit 1, results kept) or "restart" the group
-    # (counts against max_restarts; each attempt's diagnosis is kept).
-    on_hang: Literal["stop", "restart"] = "stop"
+    # (counts against max_restarts; each attempt's diagnosis is kept); null: as restart_on says.
+    on_hang: Literal["stop", "restart"] | None = None
+
+
+class CheckpointSettings(_Frozen):
+    # Where ctx.checkpoint keeps each stage's checkpoints (<dir>/world<N>): a shared filesystem or
+    # a mounted bucket; null: the run directory's world<N>/checkpoints on each host (hosts that
+    # share no filesystem each keep a copy of rank 0's)
+    dir: str | None = None
+    keep: StrictInt = Field(2, ge=1, le=1000)  # the newest complete checkpoints kept
+
+
+class Preemption(_Frozen):
+    # After a stop notice (SIGTERM or Ctrl-C to launch, a host's SIGTERM, Slurm's signal) a job
+    # that watches ctx.should_stop has this long to save and return before everything is stopped
+    grace_s: Real = Field(60, gt=0, le=3600)
 
 
 class RaySettings(_Frozen):
@@ -191,6 +208,12 @@ class JobSpec(_Frozen):
     env: EnvMap = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
     max_restarts: StrictInt = Field(0, ge=0, le=100)
+    # Which failures spend a restart: job_error (an exception in the job's code), oom, host_lost,
+    # rank_lost (killed, exited), hang, rendezvous, timeout (timeouts.run_s); "all" for every one.
+    # A user's stop never restarts, nor a job error that repeats the previous attempt's traceback.
+    restart_on: tuple[RestartClass, ...] = Field(DEFAULT_RESTART_ON, min_length=1, max_length=16)
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    preemption: Preemption = Preemption()
     # How the torchrun backend starts an entrypoint's ranks: "forkserver" forks each one from a
     # server process that has imported torch once per node (sooner to the first step, one import
     # instead of one per rank); "spawn" starts a fresh interpreter per rank, as plain torchrun
@@ -229,6 +252,7 @@ class LoadedJob(BaseModel):
     base_dir: Path
     # the params with the workload's defaults filled in, where its module declares a Params model
     resolved_params: FrozenMap | None = None
+    overrides: tuple[str, ...] = ()  # the --set KEY=VALUE it was loaded with (``launch resume`` loads it again)
 
     @property
     def params(self) -> Mapping[str, Any]:
@@ -248,7 +272,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
         spec = _validate(sourced)
     except SpecError as exc:  # the params' problems too, in the same round, every one by file and line
         raise SpecError(sorted_problems([*exc.problems, *_entrypoint_problems(sourced, path.resolve().parent)])) from None
-    loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent)
+    loaded = LoadedJob(spec=spec, path=path, base_dir=path.resolve().parent, overrides=tuple(overrides))
     resolved = check_references(loaded, sourced)
     return loaded if resolved is None else loaded.model_copy(update={"resolved_params": MappingProxyType(resolved)})
 

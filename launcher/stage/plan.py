@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from launcher.masking import mask_env
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_STAGE_DIR, StagePaths, WorkerConfig, rank_device
-from launcher.records import HangPolicy, StragglerPolicy
+from launcher.records import HangPolicy, RestartPolicy, StragglerPolicy
 from launcher.runtime.devices import GpuInfo, NodeInventory
 
 if TYPE_CHECKING:  # pydantic: the plan itself needs none of it
@@ -80,12 +80,16 @@ class StagePlan:
     ranks: tuple[RankSlot, ...]
     worker: WorkerConfig
     run_timeout_s: float
-    max_restarts: int
+    restart: RestartPolicy
     spec_env: Mapping[str, str] = field(default_factory=dict)
     # how a backend that places ranks itself (Ray) spreads them: pack | spread | strict_pack | strict_spread
     placement: str = "pack"
     stragglers: StragglerPolicy = StragglerPolicy()
     hang: HangPolicy = HangPolicy()
+
+    @property
+    def max_restarts(self) -> int:
+        return self.restart.max_restarts
 
     @property
     def stage_dir(self) -> Path:

@@ -29,7 +29,7 @@ def _run_parser() -> _Parser:
         prog="launch",
         description="Run a YAML job spec on every GPU of one or more nodes (torchrun, Ray or Slurm).",
         epilog=(
-            "other commands: launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR|JOB_DIR | launch runs [JOB] | "
+            "other commands: launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR|JOB_DIR | launch resume RUN_DIR | launch runs [JOB] | "
             "launch status|logs|stop JOB_ID [--address URL] (a Ray job, or a numeric Slurm job id)"
         ),
     )
@@ -140,6 +140,28 @@ def cmd_validate(argv: Sequence[str]) -> int:
     return EXIT_BAD_INPUT if bad else EXIT_OK
 
 
+def cmd_resume(argv: Sequence[str]) -> int:
+    p = _Parser(
+        prog="launch resume",
+        description="Continue a run that was stopped or preempted: same run id and directory; its jobs load their last checkpoints.",
+    )
+    p.add_argument("run_dir", help="the run's directory, e.g. runs/ddp_train/20261125-101500-a1b2c3")
+    p.add_argument("--quiet", action="store_true", help="no rank output on the console (logs still written)")
+    p.add_argument("--json", action="store_true", help="print result.json as JSON on stdout")
+    p.add_argument("--no-metrics", action="store_true", help="serve no Prometheus /metrics endpoint while the run is live")
+    args = p.parse_args(argv)
+    from rich.console import Console
+
+    from launcher.control.api import resume_run
+    from launcher.ui.console import RunUI
+
+    ui = RunUI(Console(stderr=True), quiet=True) if args.json else RunUI(quiet=args.quiet)
+    result = resume_run(args.run_dir, events=ui, metrics=not args.no_metrics)
+    if args.json:
+        print(json.dumps(result.data, indent=2, default=str))
+    return result.exit_code
+
+
 def cmd_report(argv: Sequence[str]) -> int:
     p = _Parser(prog="launch report", description="Re-render the table and plots of a past run.")
     p.add_argument("run_dir")
@@ -203,6 +225,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "devices": cmd_devices,
     "validate": cmd_validate,
     "report": cmd_report,
+    "resume": cmd_resume,
     "runs": cmd_runs,
     "status": _job_command("status"),
     "logs": _job_command("logs"),

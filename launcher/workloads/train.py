@@ -23,8 +23,6 @@ flagged and not stated as a result.
 from __future__ import annotations
 
 import hashlib
-import io
-import os
 from pathlib import Path
 from typing import Annotated, Any, Mapping
 
@@ -48,8 +46,8 @@ class Params(WorkloadParams):
     lr: Positive = 0.002
     threads_per_rank: ThreadsPerRank = None  # null: 1 on the CPU at every world size; "share": the launcher's share
     seed: NonNegative = 0
-    checkpoint: str | None = None  # default: <stage dir>/checkpoint.pt, on rank 0's host
-    resume: str | None = None  # a checkpoint to continue from, on rank 0's host
+    checkpoint_every: NonNegative = 1  # epochs between checkpoints (ctx.checkpoint); 0: only the last
+    resume: str | None = None  # a fresh run starts from this checkpoint (a step-* folder or a checkpoint dir, on rank 0's host)
 
 
 def make_dataset(n: int, features: int, classes: int, seed: int, split: int) -> tuple[Any, Any]:
@@ -85,15 +83,11 @@ def run(ctx: Any) -> dict[str, Any]:
     torch.manual_seed(seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     model = make_model(features, p.hidden, classes).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr)
-    start_epoch, resumed_from = 0, None
-    if p.resume:
-        # the file may exist on rank 0's host only: rank 0 reads it, every rank loads its bytes
-        resumed_from, payload = _from_rank0(dist, ctx, lambda: _read_resume(p.resume))
-        # saved on cuda:0 (or wherever), read onto our device; optimizer state and epoch included
-        state = torch.load(io.BytesIO(payload), map_location=dev, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start_epoch = int(state["epoch"])
+    # a restart finds the stage's own latest checkpoint; a fresh run may start from params.resume
+    restored = ctx.checkpoint.load() or (ctx.checkpoint.load(source=p.resume) if p.resume else None)
+    if restored is not None:  # saved on cuda:0 (or wherever), on our device now
+        model.load_state_dict(restored.state["model"])
+        opt.load_state_dict(restored.state["optimizer"])
     ddp = DDP(model, device_ids=[dev.index] if cuda else None)
 
     x, y = make_dataset(p.n_train, features, classes, seed, split=0)
@@ -101,13 +95,26 @@ def run(ctx: Any) -> dict[str, Any]:
     sampler: DistributedSampler[Any] = DistributedSampler(train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True)
     loader = DataLoader(train, batch_size=p.batch_size, sampler=sampler, pin_memory=cuda)
     loss_fn = nn.CrossEntropyLoss()
+    per_epoch = len(loader)
+    # the data position, in epochs (a checkpoint of another world size has another batches per epoch)
+    start_step = round(float(restored.state["epoch"]) * per_epoch) if restored is not None else 0
+    start_epoch, skip = divmod(start_step, per_epoch)  # the epoch, and the batch in it
     epochs = range(start_epoch, p.epochs)
     stats = torch.zeros(max(len(epochs), 1), 3, device=dev, dtype=torch.float64)  # loss sum, correct, samples
+    step, stopped, ran = start_step, False, 0
+
+    def state() -> dict[str, Any]:
+        arch = {"features": p.features, "hidden": p.hidden, "classes": p.classes}
+        return {"model": ddp.module.state_dict(), "optimizer": opt.state_dict(), "epoch": step / per_epoch, "world_size": ctx.world_size, "arch": arch}
+
     ddp.train()
     for i, epoch in enumerate(epochs):
         sampler.set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
+        ran = i + 1
         with rec.timer("train/epoch"):
-            for xb, yb in loader:
+            for b, (xb, yb) in enumerate(loader):
+                if epoch == start_epoch and b < skip:
+                    continue  # done before the checkpoint this run resumed from
                 xb, yb = xb.to(dev, non_blocking=True), yb.to(dev, non_blocking=True)
                 out = ddp(xb)
                 loss = loss_fn(out, yb)
@@ -117,37 +124,54 @@ def run(ctx: Any) -> dict[str, Any]:
                 stats[i, 0] += loss.detach() * yb.shape[0]  # on the device: no .item(), no sync
                 stats[i, 1] += (out.argmax(dim=1) == yb).sum()
                 stats[i, 2] += yb.shape[0]
+                step += 1
                 rec.step()
+                if ctx.should_stop:  # the group's answer (read once per step, on every rank)
+                    stopped = True
+                    break
+        if stopped or (p.checkpoint_every and (epoch + 1) % p.checkpoint_every == 0) or epoch + 1 == p.epochs:
+            ctx.checkpoint.save(state(), step=step)
+        if stopped:
+            break
     test = _evaluate(torch, ddp.module, dev, ctx, p)
     totals = torch.cat([stats.flatten(), test])
     dist.all_reduce(totals)  # the one reduction: every rank's sums, once, at the end
     stats, test = totals[:-3].view(-1, 3), totals[-3:]
-    for i, _ in enumerate(epochs):
+    for i in range(ran):
         rec.log("train/loss", stats[i, 0] / stats[i, 2])  # still tensors: copied to the host by the runtime
         rec.log("train/acc", stats[i, 1] / stats[i, 2])
     rec.log("test/loss", test[0] / test[2])
     rec.log("test/acc", test[1] / test[2])
-
-    def save_and_read_back() -> tuple[str, bytes]:  # on rank 0, on rank 0's host
-        path = Path(p.checkpoint).expanduser() if p.checkpoint else ctx.stage_dir / "checkpoint.pt"
-        _save(torch, path, ddp.module, opt, p.epochs if len(epochs) else start_epoch, ctx.world_size, p)
-        return str(path), path.read_bytes()
-
-    path, payload = _from_rank0(dist, ctx, save_and_read_back)
-    check = _check_checkpoint(torch, payload, ddp.module, dev)
+    if not len(epochs):
+        ctx.checkpoint.save(state(), step=step)  # nothing left to train: the checkpoint it resumed from, kept as this run's
+    final = ctx.checkpoint.load()  # the last checkpoint, read back on every rank onto its own device
+    check = _check_checkpoint(torch, final, ddp.module, dev)
     return {
         "samples_per_epoch": len(sampler),
-        "batches_per_epoch": len(loader),
+        "batches_per_epoch": per_epoch,
         "start_epoch": start_epoch,
+        "start_step": start_step,
+        "steps": step,
         "epochs_run": len(epochs),
         "first_epoch": start_epoch,
-        "resumed_from": resumed_from,
-        "checkpoint": path,  # on rank 0's host
+        "resumed_from": str(restored.path) if restored is not None else None,
+        "stopped_early": stopped,
+        "checkpoint": str(final.path) if final is not None else None,  # on rank 0's host
         "checkpoint_check": check,
+        "model_sha256": _state_digest(ddp.module.state_dict()),
         **threads,
         "machine_start": machine_start,
         "machine_end": machine_state(),
     }
+
+
+def _state_digest(state: Mapping[str, Any]) -> str:
+    """The model's parameters as one SHA-256 (bitwise: two runs agree only if every bit does)."""
+    digest = hashlib.sha256()
+    for name, tensor in state.items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _evaluate(torch: Any, model: Any, dev: Any, ctx: Any, p: Params) -> Any:
@@ -162,53 +186,22 @@ def _evaluate(torch: Any, model: Any, dev: Any, ctx: Any, p: Params) -> Any:
     return torch.stack([loss.double(), (out.argmax(dim=1) == y).sum().double(), torch.tensor(float(y.shape[0]), device=dev, dtype=torch.float64)])
 
 
-def _save(torch: Any, path: Path, model: Any, opt: Any, epoch: int, world_size: int, p: Params) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    arch = {"features": p.features, "hidden": p.hidden, "classes": p.classes}
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "world_size": world_size, "arch": arch}, tmp)
-    os.replace(tmp, path)  # readers never see half a file
-
-
-def _read_resume(resume: str) -> tuple[str, bytes]:
-    path = Path(resume).expanduser().resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"params.resume: no checkpoint at {path} (on rank 0's host)")
-    return str(path), path.read_bytes()
-
-
-def _from_rank0(dist: Any, ctx: Any, produce: Any) -> tuple[str, bytes]:
-    """``produce()`` on rank 0, its ``(path, bytes)`` on every rank (one broadcast). If it raises,
-    every rank raises: rank 0 its own error, the others a RuntimeError quoting it."""
-    box: list[Any] = [None]
-    error = None
-    if ctx.is_main:
-        try:
-            box[0] = ("ok", *produce())
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others know
-            error, box[0] = exc, ("error", f"{type(exc).__name__}: {exc}", b"")
-    dist.broadcast_object_list(box, src=0, device=ctx.device if ctx.device.type == "cuda" else None)
-    status, path, payload = box[0]
-    if error is not None:
-        raise error
-    if status != "ok":
-        raise RuntimeError(f"rank 0 failed: {path}")
-    return path, payload
-
-
-def _check_checkpoint(torch: Any, payload: bytes, model: Any, dev: Any) -> dict[str, Any]:
-    """Load rank 0's checkpoint (the bytes of its file) onto this rank's device; it must equal this
-    rank's replica."""
-    state = torch.load(io.BytesIO(payload), map_location=dev, weights_only=True)
-    tensors = list(state["model"].values())
+def _check_checkpoint(torch: Any, final: Any, model: Any, dev: Any) -> dict[str, Any]:
+    """The last checkpoint as ``ctx.checkpoint.load`` gave it to this rank: on this rank's device,
+    equal to this rank's replica."""
+    if final is None:
+        return {"map_location": str(dev), "all_on_device": False, "equals_replica": False, "epoch": None, "tensors": 0, "sha256": None}
+    tensors = list(final.state["model"].values())
     mine = model.state_dict()
     return {
         "map_location": str(dev),
         "all_on_device": all(t.device == dev for t in tensors),
-        "equals_replica": all(torch.equal(state["model"][k], mine[k]) for k in mine),
-        "epoch": int(state["epoch"]),
+        "equals_replica": all(torch.equal(final.state["model"][k], mine[k]) for k in mine),
+        "epoch": final.state["epoch"],
+        "step": final.step,
         "tensors": len(tensors),
-        "sha256": hashlib.sha256(payload).hexdigest(),  # the same bytes as rank 0's file
+        # what rank 0 wrote, by its manifest (a rank on another host got the same, verified, bytes)
+        "sha256": final.manifest.files["state.pt"].sha256,
     }
 
 

@@ -9,7 +9,8 @@
 - ``sleep``: every rank writes its pid and sleeps, so a test can SIGKILL one by pid.
 - ``hang``: rank ``params.rank`` spins in ``stuck_in_python`` forever, the others block in an
   all-reduce; only ``timeouts.run_s`` ends it.
-- ``flaky``: fails on the first attempt only (a marker file in ``params.marker``), then works.
+- ``flaky``: its process dies on the first attempt only (``os._exit``, as a lost rank would; a marker
+  file in ``params.marker``), then works.
 
 With ``params.var`` set, every rank prints that env variable (and a raise quotes it), as a careless
 job would print a token: the launcher must mask it.
@@ -47,7 +48,8 @@ def run(ctx: Any) -> dict[str, Any]:
         marker = Path(ctx.param("marker"))
         if ctx.rank == target and not marker.exists():
             marker.write_text("failed once\n")
-            raise RuntimeError("transient failure (first attempt only)")
+            print("transient failure (first attempt only)", flush=True)
+            os._exit(3)
     if fault in ("raise", "exit", "hang") or ctx.world_size > 1:
         _all_reduce(ctx)
     ctx.metrics.step()

@@ -199,20 +199,37 @@ def test_transient_failure_is_restarted_and_succeeds(tmp_path, launched):
     result = result_of(run_dir)
     assert result["status"] == "succeeded" and result["restarts"] == 1
     assert result["stages"][0]["restarts"] == 1
-    assert "restarting the group (restart 1 of 2)" in out
+    assert "restarting the group (restart 1 of 2 (rank_lost))" in out
+    first, second = result["stages"][0]["attempts"]
+    assert (first["failure_class"], first["restarted"], second["status"]) == ("rank_lost", True, "succeeded")
     # the failed attempt's logs and report are kept beside the successful one
     assert "transient failure" in (run_dir / "world1" / "attempt0" / "logs" / "rank0.log").read_text()
-    assert json.loads((run_dir / "world1" / "attempt0" / "reports" / "rank0.json").read_text())["status"] == "failed"
+    assert json.loads((run_dir / "world1" / "attempt0" / "reports" / "rank0.json").read_text())["status"] == "stopped"  # it died: no report of its own
     _no_orphans(tmp_path / "runs")
 
 
-def test_restarts_are_bounded(tmp_path, launched):
-    spec = write_spec(tmp_path, params={"fault": "raise", "rank": 0, "delay_s": 0}, resources={"cpu_workers": 1}, max_restarts=1)
+def test_a_job_error_is_not_restarted_by_default(tmp_path, launched):
+    spec = write_spec(tmp_path, params={"fault": "raise", "rank": 0, "delay_s": 0}, resources={"cpu_workers": 1}, max_restarts=3)
     run = launched(spec, tmp_path / "runs")
     assert run.wait() == 1, run.output()
     result = result_of(run.run_dir())
-    assert result["status"] == "failed" and result["restarts"] == 1
-    assert result["failure"]["root_cause"]["type"] == "ValueError"
+    assert result["status"] == "failed" and result["restarts"] == 0
+    assert result["failure"]["root_cause"]["type"] == "ValueError" and result["failure"]["failure_class"] == "job_error"
+    (only,) = result["stages"][0]["attempts"]
+    assert only["decision"].startswith("job_error is not in restart_on")
+    assert f"not restarted: {only['decision']}" in run.output()
+    _no_orphans(tmp_path / "runs")
+
+
+def test_restart_on_all_restarts_a_job_error_once_and_stops_when_the_traceback_repeats(tmp_path, launched):
+    spec = write_spec(tmp_path, params={"fault": "raise", "rank": 0, "delay_s": 0}, resources={"cpu_workers": 1}, max_restarts=3, restart_on=["all"])
+    run = launched(spec, tmp_path / "runs")
+    assert run.wait() == 1, run.output()
+    result = result_of(run.run_dir())
+    assert result["status"] == "failed" and result["restarts"] == 1  # not 3: the same traceback came back
+    first, second = result["stages"][0]["attempts"]
+    assert first["restarted"] and not second["restarted"]
+    assert second["decision"].startswith("the job raised the same error, with the same traceback")
     _no_orphans(tmp_path / "runs")
 
 

@@ -5,6 +5,7 @@ how many trials were timed, that every figure comes with its range and flags, ne
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import pytest
@@ -136,13 +137,14 @@ def test_ddp_train_trains_checkpoints_and_reads_back_on_every_rank(ddp_train):
     assert s["checkpoints_ok"] is True and s["like_for_like"] is True
     assert all("reach" not in c for c in s["conclusions"])  # one timed epoch: no scaling claimed
     for ws in (1, 2):
-        ckpt = ddp_train.run_dir / f"world{ws}" / "checkpoint.pt"
-        assert ckpt.is_file() and ckpt.stat().st_size > 0
+        steps = 2 * 1024 // 128 // ws  # two epochs of this world size's batches
+        ckpt = ddp_train.run_dir / f"world{ws}" / "checkpoints" / f"step-{steps:09d}"
+        assert (ckpt / "state.pt").stat().st_size > 0 and json.loads((ckpt / "manifest.json").read_text())["step"] == steps
         for r in ddp_train.ranks(ws):
             check = r["result"]["checkpoint_check"]
             sha = check.pop("sha256")
-            assert check == {"map_location": "cpu", "all_on_device": True, "equals_replica": True, "epoch": 2, "tensors": 6}
-            assert sha == hashlib.sha256(ckpt.read_bytes()).hexdigest()  # every rank loaded rank 0's file
+            assert check == {"map_location": "cpu", "all_on_device": True, "equals_replica": True, "epoch": 2, "step": steps, "tensors": 6}
+            assert sha == hashlib.sha256((ckpt / "state.pt").read_bytes()).hexdigest()  # every rank loaded rank 0's file
             assert r["result"]["checkpoint"] == str(ckpt)
             assert r["result"]["samples_per_epoch"] == 1024 // ws  # each rank its shard
             assert len(r["metrics"]["values"]["train/loss"]) == 2 and len(r["metrics"]["values"]["test/acc"]) == 1
@@ -152,30 +154,31 @@ def test_ddp_train_trains_checkpoints_and_reads_back_on_every_rank(ddp_train):
     assert_plots(ddp_train, "ddp_train.png")
 
 
-def test_ddp_train_resume_continues_from_the_checkpoint(ddp_train, tmp_path):
-    ckpt = ddp_train.run_dir / "world1" / "checkpoint.pt"
-    mine = tmp_path / "ckpt" / "resumed.pt"
+def test_ddp_train_resume_continues_from_the_checkpoint_of_another_world_size(ddp_train, tmp_path):
+    ckpt = ddp_train.run_dir / "world1" / "checkpoints"  # world size 1's checkpoints: the newest is taken
+    mine = tmp_path / "ckpt"
     run = run_job(tmp_path, "ddp_train", "scaling.workers=[2]", *TINY_TRAIN, "params.epochs=3",
-                  f"params.resume={ckpt}", f"params.checkpoint={mine}")
+                  f"params.resume={ckpt}", f"checkpoint.dir={mine}")  # fmt: skip
     assert_succeeded(run, "ddp_train", [2])
     (row,) = run.summary["rows"]
-    assert row["epochs"] == "2->3" and row["resumed_from"] == str(ckpt) and row["ckpt_ok"] is True
+    assert row["epochs"] == "2->3" and row["resumed_from"] == str(ckpt / "step-000000016") and row["ckpt_ok"] is True
     for r in run.ranks():
-        assert r["result"]["start_epoch"] == 2 and r["result"]["epochs_run"] == 1
+        assert r["result"]["start_epoch"] == 2 and r["result"]["epochs_run"] == 1 and r["result"]["start_step"] == 8
         assert r["result"]["checkpoint_check"]["epoch"] == 3
         assert len(r["metrics"]["values"]["train/loss"]) == 1
-    assert mine.is_file()
+    assert (mine / "world2" / "step-000000012" / "manifest.json").is_file()
     # it continued training rather than starting over: its loss is below the fresh run's first epoch
     fresh_first = ddp_train.summary["curves"]["1"]["train_loss"][0]
     assert run.summary["curves"]["2"]["epochs"] == [3]
     assert run.summary["curves"]["2"]["train_loss"][0] < fresh_first
 
 
-def test_ddp_train_resume_from_a_missing_file_fails_with_its_path(tmp_path):
-    missing = tmp_path / "nope.pt"
+def test_ddp_train_resume_from_a_missing_checkpoint_fails_with_its_path_and_is_not_restarted(tmp_path):
+    missing = tmp_path / "nope"
     run = run_job(tmp_path, "ddp_train", "scaling.workers=[1]", *TINY_TRAIN, f"params.resume={missing}")
-    assert run.returncode == 1 and run.result["status"] == "failed"
-    assert str(missing) in run.result["failure"]["root_cause"]["traceback"]
+    assert run.returncode == 1 and run.result["status"] == "failed" and run.result["restarts"] == 0  # a job error
+    root = run.result["failure"]["root_cause"]
+    assert root["type"] == "CheckpointError" and root["message"].startswith(f"checkpoint {missing}: no complete checkpoint there")
 
 
 def test_matmul_scaling_compares_concurrent_with_sequential(tmp_path):

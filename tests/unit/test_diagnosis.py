@@ -232,6 +232,7 @@ def test_not_started_uses_the_detail() -> None:
     assert failure.summary == detail and failure.root_cause is None
     assert failure.to_dict() == {
         "reason": "not_started",
+        "failure_class": None,  # the run loop classifies an attempt that ran; this one never did
         "summary": detail,
         "root_cause": None,
         "collateral_ranks": [],

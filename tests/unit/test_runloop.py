@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -21,10 +22,11 @@ from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import BackendError, LauncherError
 from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack
 from launcher.masking import MASK
-from launcher.protocol import RankStatus, StagePaths, WorkerConfig
-from launcher.records import FailureReason, RunStatus, StageOutcome
+from launcher.protocol import RankProgress, RankStatus, StagePaths, WorkerConfig
+from launcher.records import FailureClass, FailureReason, RunStatus, StageOutcome
 from launcher.runtime.devices import NodeInventory
 from launcher.spec.model import load_job
+from launcher.stage.events import RankBeacon
 from launcher.stage.plan import NodeTarget, StagePlan
 from launcher.stage.watch import RunEvents, StageProgress
 from tests.unit.fakebackend import (
@@ -32,6 +34,7 @@ from tests.unit.fakebackend import (
     STOPPED,
     Attempt,
     FakeEngine,
+    FakeStage,
     Status,
     Step,
     error,
@@ -268,7 +271,7 @@ def failing(message: str, *, log: str | None = None) -> Attempt:
 
 
 def test_a_failed_attempt_is_archived_and_the_restart_succeeds(tmp_path: Path) -> None:
-    plans, events = Plans(tmp_path, "max_restarts: 1\n"), Recorded()
+    plans, events = Plans(tmp_path, "max_restarts: 1\nrestart_on: [all]\n"), Recorded()
     backend = scripted(failing("flaky", log="first try"), success())
     outcome = run(plans, backend, events=events)
 
@@ -277,7 +280,7 @@ def test_a_failed_attempt_is_archived_and_the_restart_succeeds(tmp_path: Path) -
     first, second = backend.instances
     assert (first.plan.rendezvous.port, second.plan.rendezvous.port) == (FIRST_PORT, FIRST_PORT + 1)
     assert all((b.count("stop"), b.count("collect")) == (1, 1) for b in backend.instances)
-    assert events.messages == ["restarting the group (restart 1 of 1)"]
+    assert events.messages == ["restarting the group (restart 1 of 1 (job_error))"]
     # the first attempt's reports, beacons and logs moved aside; the stage's own are the second's
     archive = plans.paths.root / "attempt0"
     archived = json.loads((archive / "reports" / "rank0.json").read_text())
@@ -290,7 +293,7 @@ def test_a_failed_attempt_is_archived_and_the_restart_succeeds(tmp_path: Path) -
 
 
 def test_restarts_exhausted_report_the_last_attempt(tmp_path: Path) -> None:
-    plans = Plans(tmp_path, "max_restarts: 1\n")
+    plans = Plans(tmp_path, "max_restarts: 1\nrestart_on: [all]\n")
     backend = scripted(failing("first"), failing("second"))
     outcome = run(plans, backend)
     assert outcome.status == RunStatus.FAILED and outcome.restarts == 1
@@ -392,12 +395,12 @@ def stalled_evidence() -> list[RankEvidence]:
 
 
 def test_a_stage_whose_ranks_stop_counting_is_hung_with_the_evidence_kept(tmp_path: Path) -> None:
-    plans = Plans(tmp_path, "timeouts: {hang_s: 0.3}\nmax_restarts: 2\n")
+    plans = Plans(tmp_path, "timeouts: {hang_s: 0.3, on_hang: stop}\nmax_restarts: 2\n")
     # then the beacons keep coming (the ranks' beacon threads live on), their counts frozen
     backend = scripted(Attempt(polls=[counting(1, 1), counting(5, 5), *[counting(8, 7)] * 5000], evidence=stalled_evidence()))
     events = Recorded()
     outcome = run(plans, backend, events=events)
-    (b,) = backend.instances  # on_hang: stop (the default) restarts nothing
+    (b,) = backend.instances  # on_hang: stop restarts nothing, whatever restart_on says
     assert b.calls[-4:] == ["gather_evidence", "stop", "collect", "poll"]  # the evidence while the ranks still ran
     assert outcome.status == RunStatus.HUNG and outcome.restarts == 0
     failure = outcome.failure
@@ -528,3 +531,107 @@ def test_run_job_hands_the_callers_stop_request_to_the_run_loop(tmp_path: Path, 
     with pytest.raises(Reached):
         api.run_job(Plans(tmp_path).job, out=tmp_path / "runs", events=RunEvents(), stop=mine)
     assert seen == [mine] and seen[0] is mine
+
+
+# --- restarts by failure class, checkpoints, stop notices ---------------------------------------
+
+
+def beacon(rank: int, steps: int, **fields: object) -> Callable[[FakeStage], None]:
+    """A beacon with the checkpoint/notice fields a rank's runtime adds (``ckpt_step`` ...)."""
+    return lambda stage: stage.emit(RankBeacon(rank, RankProgress(phase="running", steps=steps, t=time.time(), **fields)))  # type: ignore[arg-type]
+
+
+def killed_after_a_checkpoint() -> Attempt:
+    """Rank 1 is SIGKILLed at step 13; rank 0 saved step 40 at its step 10."""
+    died = Status(done=True, ok=False, rank_exits=exits((1, "SIGKILL")))
+    saved = Step(effect=lambda s: (beacon(0, 10, ckpt_step=40, ckpt_at=10)(s), beacon(1, 10)(s)))
+    later = Step(effect=lambda s: (beacon(0, 13, ckpt_step=40, ckpt_at=10)(s), beacon(1, 13)(s)))
+    return Attempt(polls=[BOTH_RUNNING, saved, later, Step(reports={0: peer_loss()}), Step(status=died)])
+
+
+def resumed(step: int) -> Attempt:
+    go = Step(effect=lambda s: (beacon(0, 1, resumed_step=step, ckpt_step=step, ckpt_at=0)(s), beacon(1, 1, resumed_step=step)(s)))
+    done = Step(beacons={0: "finished", 1: "finished"}, reports={0: OK, 1: OK}, status=DONE_OK)
+    return Attempt(polls=[BOTH_RUNNING, go, Step(), done])
+
+
+def test_a_lost_rank_restarts_by_default_and_the_record_says_from_where_and_what_was_lost(tmp_path: Path) -> None:
+    events = Recorded()
+    outcome = run(Plans(tmp_path, "max_restarts: 1\n"), scripted(killed_after_a_checkpoint(), resumed(40)), events=events)
+    assert outcome.status == RunStatus.SUCCEEDED and outcome.restarts == 1
+    first, second = outcome.attempts
+    assert (first.failure_class, first.restarted, first.checkpoint_step, first.steps, first.lost_steps) == (FailureClass.RANK_LOST, True, 40, 13, 3)
+    assert first.cause == "rank 1 on h (cpu): KilledBySignal: killed by SIGKILL"
+    assert (second.failure_class, second.resumed_step, second.lost_steps, second.status) == (None, 40, None, RunStatus.SUCCEEDED)
+    assert "restarting the group (restart 1 of 1 (rank_lost)); the job resumes from the checkpoint of step 40, 3 step(s) of work lost" in events.messages
+    assert "attempt 2: the job resumed from the checkpoint of step 40" in events.messages
+
+
+def test_a_job_error_is_not_restarted_by_default(tmp_path: Path) -> None:
+    events = Recorded()
+    backend = scripted(failing("bad shape"), success())
+    outcome = run(Plans(tmp_path, "max_restarts: 3\n"), backend, events=events)
+    assert len(backend.instances) == 1 and outcome.status == RunStatus.FAILED
+    (only,) = outcome.attempts
+    assert only.failure_class == FailureClass.JOB_ERROR and not only.restarted
+    assert only.decision.startswith("job_error is not in restart_on (hang, host_lost, oom, rank_lost, rendezvous)")
+    assert outcome.failure.failure_class == FailureClass.JOB_ERROR
+    assert events.messages == [f"not restarted: {only.decision}"]
+
+
+def test_with_restart_on_all_a_job_error_restarts_once_and_stops_when_its_traceback_repeats(tmp_path: Path) -> None:
+    backend = scripted(failing("bad shape"), failing("bad shape"), success())
+    outcome = run(Plans(tmp_path, "max_restarts: 5\nrestart_on: [all]\n"), backend)
+    assert len(backend.instances) == 2 and outcome.status == RunStatus.FAILED and outcome.restarts == 1
+    first, second = outcome.attempts
+    assert first.restarted and not second.restarted
+    assert second.decision.startswith("the job raised the same error, with the same traceback, as the attempt before")
+
+
+def test_a_hang_restarts_as_restart_on_says_unless_on_hang_says_stop(tmp_path: Path) -> None:
+    hung = Attempt(polls=[counting(1, 1), *[counting(3, 2)] * 5000], evidence=stalled_evidence())
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    restarted = run(Plans(tmp_path / "a", "timeouts: {hang_s: 0.3}\nmax_restarts: 1\n"), scripted(hung, success()))
+    assert restarted.status == RunStatus.SUCCEEDED and restarted.attempts[0].failure_class == FailureClass.HANG
+    kept = run(Plans(tmp_path / "b", "timeouts: {hang_s: 0.3, on_hang: stop}\nmax_restarts: 1\nrestart_on: [all]\n"), scripted(hung))
+    assert kept.status == RunStatus.HUNG and kept.attempts[0].decision.startswith("hang is not in restart_on")
+
+
+def test_a_stop_notice_lets_a_watching_job_save_and_return_and_the_stage_is_preempted(tmp_path: Path) -> None:
+    stop = StopRequest()
+    watching = Step(effect=lambda s: (beacon(0, 5, watches_stop=True)(s), beacon(1, 5, watches_stop=True)(s)))
+    ctrl_c = Step(effect=lambda s: stop.set("SIGTERM"))
+    # after the notice the ranks save step 6 and return: the group ends on its own, every rank ok
+    saved = Step(effect=lambda s: beacon(0, 6, watches_stop=True, ckpt_step=6, ckpt_at=6)(s))
+    done = Step(beacons={0: "finished", 1: "finished"}, reports={0: OK, 1: OK}, status=DONE_OK)
+    backend = scripted(Attempt(polls=[BOTH_RUNNING, watching, ctrl_c, saved, done]))
+    events = Recorded()
+    plans = Plans(tmp_path, "max_restarts: 2\npreemption: {grace_s: 30}\n")
+    outcome = run(plans, backend, stop=stop, events=events)
+    (b,) = backend.instances
+    assert b.signals == [signal.SIGUSR2] and b.calls.index("signal_ranks:SIGUSR2") < b.calls.index("stop")
+    assert outcome.status == RunStatus.INTERRUPTED and len(outcome.attempts) == 1  # never restarted
+    failure = outcome.failure
+    assert failure.failure_class == FailureClass.PREEMPTED and failure.reason == FailureReason.INTERRUPTED
+    assert failure.summary == f"stopped after a notice (SIGTERM): its last checkpoint is step 6; continue with: launch resume {plans.run_dir}"
+    assert any(m.startswith("stop notice sent to every rank: 30s to save a checkpoint") for m in events.messages)
+
+
+def test_a_stop_notice_that_the_ranks_do_not_answer_in_time_stops_them(tmp_path: Path) -> None:
+    stop = StopRequest()
+    watching = Step(effect=lambda s: (beacon(0, 5, watches_stop=True)(s), stop.set("SIGINT")))
+    backend = scripted(Attempt(polls=[BOTH_RUNNING, watching]))  # then running for ever
+    outcome = run(Plans(tmp_path, "preemption: {grace_s: 0.2}\n"), backend, stop=stop)
+    (b,) = backend.instances
+    assert b.signals == [signal.SIGUSR2] and b.count("stop") == 1
+    assert outcome.status == RunStatus.INTERRUPTED and outcome.failure.failure_class == FailureClass.PREEMPTED
+    assert "it saved no checkpoint" in outcome.failure.summary
+
+
+def test_a_stop_without_a_watching_job_stops_at_once_without_a_notice(tmp_path: Path) -> None:
+    stop = StopRequest()
+    backend = scripted(Attempt(polls=[BOTH_RUNNING, Step(effect=lambda s: stop.set("SIGINT"))]))
+    outcome = run(Plans(tmp_path, "preemption: {grace_s: 30}\n"), backend, stop=stop)
+    (b,) = backend.instances
+    assert b.signals == [] and outcome.status == RunStatus.INTERRUPTED
+    assert outcome.failure.failure_class == FailureClass.STOPPED and outcome.failure.summary == "interrupted (SIGINT)"

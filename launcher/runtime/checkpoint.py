@@ -1,0 +1,460 @@
+"""``ctx.checkpoint`` and ``ctx.should_stop``: what a job saves, what a restarted job gets back,
+and the notice that it should save now and return.
+
+Every rank calls ``save`` at the same step, as with ``torch.distributed.checkpoint``:
+
+* replicated state (DDP: every rank holds the same model) is rank 0's: one ``torch.save`` file,
+  written where rank 0 runs and, when the hosts share no filesystem, sent once to one rank per
+  other host (its local rank 0), which writes its own copy: a restart on any of those hosts, or on
+  a spare that one of them hands it to, finds it;
+* ``sharded=True`` state (FSDP, or anything whose ranks hold parts) goes through
+  ``torch.distributed.checkpoint``: every rank writes its part into one directory that every host
+  must see (``checkpoint.dir`` on a shared filesystem); loading reshards to the new world size.
+
+``load`` returns the newest complete checkpoint any host has, on this rank's device, or None on a
+fresh start. Files are written under a temporary name and published by a rename with a manifest
+(step, job, SHA-256 of each file): a checkpoint cut short is never loaded (``launcher.checkpoints``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from launcher.checkpoints import (
+    MANIFEST,
+    STATE_FILE,
+    CheckpointError,
+    FileDigest,
+    HashingWriter,
+    Manifest,
+    check_files,
+    complete_steps,
+    drop_partials,
+    file_digest,
+    latest,
+    partial_dir,
+    prune,
+    publish,
+    step_dir,
+    write_manifest,
+)
+from launcher.protocol import STOP_NOTICE_SIGNAL, WorkerConfig
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint handed back to the job: what it saved (on this rank's device), and at which step."""
+
+    state: Any
+    step: int
+    path: Path  # its step-* folder (on the host that had it; the same path on every host)
+    manifest: Manifest  # what the writer recorded: job, world size, each file's SHA-256
+
+
+_NOTICES: list["StopNotice"] = []  # this process's live notices (a Ray actor's process may run several ranks in turn)
+_PENDING_REASON = ""  # a notice that came before the job started: the next StopNotice starts with it
+
+
+def notify_stop(reason: str) -> None:
+    """Tell this process's job to stop (the launcher's SIGUSR2, or a Ray actor's method): from
+    any thread; a notice that comes before the job runs is kept for it."""
+    global _PENDING_REASON
+    _PENDING_REASON = _PENDING_REASON or reason
+    for notice in list(_NOTICES):
+        notice.notify(reason)
+
+
+def listen_for_stop_notice() -> None:
+    """From the rank's first moment, the launcher's notice is taken (never SIGUSR2's default,
+    which ends the process); only the main thread can install it."""
+    try:
+        signal.signal(STOP_NOTICE_SIGNAL, lambda _s, _f: notify_stop("the launcher's stop notice"))
+    except ValueError:
+        pass
+
+
+class StopNotice:
+    """``ctx.should_stop``: true once the launcher (a preemption, Ctrl-C, ``launch stop``) or the
+    rank's host (SIGTERM: a spot VM going away, a scheduler's signal) asked the job to stop. The
+    job saves at its next step boundary and returns; ``seconds_left`` says how long it has.
+
+    SIGTERM counts as a notice only once the job has read ``should_stop`` (or registered
+    ``on_stop``): a job that never looks is stopped by it at once, as before. ``on_stop``'s
+    callback runs in the rank the notice reached, as it came; ``should_stop`` is the group's."""
+
+    def __init__(self, grace_s: float, world_size: int = 1) -> None:
+        self.grace_s = grace_s
+        self.world_size = world_size
+        self._agreed = False
+        self._pending: tuple[Any, Any] | None = None
+        self._world_group: Any = None
+        self.reason = ""
+        self.watched = False
+        self._at: float | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._previous_term: Any = None
+
+    def __enter__(self) -> "StopNotice":
+        _NOTICES.append(self)
+        if _PENDING_REASON:
+            self.notify(_PENDING_REASON)
+        try:
+            self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread (a Ray actor's): the launcher's notice still comes
+            pass
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        if self._pending is not None:  # every rank posted it: let it finish before the group goes
+            try:
+                self._pending[0].wait()
+            except Exception:  # noqa: BLE001 - a peer that failed: its loss is reported elsewhere
+                pass
+        _NOTICES.remove(self)
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._previous_term)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.watched and self._at is None:
+            self.notify("SIGTERM")
+            return
+        previous = self._previous_term
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)  # the default: end now
+
+    def notify(self, reason: str) -> None:
+        if self._at is not None:
+            return
+        self._at, self.reason = time.monotonic(), reason
+        for callback in self._callbacks:
+            callback()
+
+    @property
+    def requested(self) -> bool:
+        """Whether the job should stop now, the same answer on every rank at the same call (read
+        once per step, on every rank, like a collective): each call posts this rank's flag in a
+        small asynchronous all-reduce over the CPU (gloo) and reads the one the call before posted,
+        long done by then. A notice is acted on one step after it came; no device sync, no wait."""
+        self.watched = True
+        if self._agreed:
+            return True
+        group = self._group()
+        if group is None:
+            self._agreed = self._at is not None
+            return self._agreed
+        import torch
+        import torch.distributed as dist
+
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            self._agreed = bool(flag.item())  # a CPU tensor: no device sync
+        if self._agreed:
+            self._pending = None
+            return True
+        flag = torch.tensor([1 if self._at is not None else 0], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag)
+        return False
+
+    def _group(self) -> Any:
+        """The process group the flags travel on: the job's own when it is gloo, else a gloo group
+        of the same ranks, made at the first call (every rank's first call: a collective)."""
+        if self._world_group is None:
+            import torch.distributed as dist
+
+            if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+                self._world_group = False
+            elif dist.get_backend() == "gloo":
+                self._world_group = dist.group.WORLD
+            else:
+                self._world_group = dist.new_group(backend="gloo")
+        return self._world_group or None
+
+    @property
+    def seconds_left(self) -> float | None:
+        """Seconds until the launcher stops the ranks anyway; None while no stop was asked for."""
+        return None if self._at is None else max(0.0, self.grace_s - (time.monotonic() - self._at))
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when a notice comes (in the main thread, between two bytecodes, for a
+        signal; in the notifying thread otherwise)."""
+        self.watched = True
+        self._callbacks.append(callback)
+
+
+class Checkpoints:
+    """``ctx.checkpoint``: save and load through the stage's checkpoint directory (module doc)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: Any,
+        on_saved: Callable[[int], None] = lambda step: None,
+        on_resumed: Callable[[int], None] = lambda step: None,
+    ) -> None:
+        self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else config.paths.checkpoints
+        self.keep = config.checkpoint_keep
+        self._config = config
+        self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
+        self._on_saved, self._on_resumed = on_saved, on_resumed
+        self._leaders: list[int] | None = None
+        self._leader_group: Any = None
+        self._shared: bool | None = None
+        self.last_step: int | None = None  # the last step saved, or resumed from
+        self.resumed_step: int | None = None
+        self.save_s = self.load_s = 0.0
+
+    # --- the group's layout ------------------------------------------------------------------
+    def _dist(self) -> Any:
+        import torch.distributed as dist
+
+        return dist if self.world_size > 1 and dist.is_available() and dist.is_initialized() else None
+
+    def _layout(self) -> list[int]:
+        """The node leaders (each host's local rank 0), known to every rank; a collective, once."""
+        if self._leaders is None:
+            dist = self._dist()
+            if dist is None:
+                self._leaders = [self.rank]
+            else:
+                local_ranks: list[Any] = [None] * self.world_size
+                dist.all_gather_object(local_ranks, self.local_rank)
+                self._leaders = [r for r, lr in enumerate(local_ranks) if lr == 0]
+                if len(self._leaders) > 1:
+                    self._leader_group = dist.new_group(self._leaders)
+        return self._leaders
+
+    def _shared_dir(self) -> bool:
+        """Whether every host sees rank 0's checkpoint directory (a shared filesystem): one write
+        then serves all. Asked once, with a file rank 0 creates and the other leaders look for."""
+        if self._shared is None:
+            leaders = self._layout()
+            dist = self._dist()
+            if dist is None or len(leaders) == 1:
+                self._shared = True
+                return True
+            probe = self.root / f".probe-{self._config.run_id}-{self._config.attempt}"
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe.touch()
+            dist.barrier()
+            seen: list[Any] = [None] * self.world_size
+            dist.all_gather_object(seen, probe.exists() if self.rank in leaders else True)
+            dist.barrier()
+            if self.rank == 0:
+                probe.unlink(missing_ok=True)
+            self._shared = all(seen)
+        return self._shared
+
+    # --- save ----------------------------------------------------------------------------------
+    def save(self, state: Mapping[str, Any], *, step: int, sharded: bool = False) -> Path | None:
+        """Save ``state`` (tensors and plain values) as the checkpoint of ``step``; every rank
+        calls it. Returns the checkpoint's directory on this rank's host, or None where this rank
+        writes nothing. The newest ``checkpoint.keep`` stay."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"ctx.checkpoint.save: step must be an int >= 0, not {step!r}")
+        started = time.perf_counter()
+        folder = self._save_sharded(state, step) if sharded else self._save_replicated(state, step)
+        self.save_s += time.perf_counter() - started
+        self.last_step = step
+        self._on_saved(step)
+        return folder
+
+    def _manifest(self, step: int, fmt: str, files: Mapping[str, FileDigest]) -> Manifest:
+        c = self._config
+        return Manifest(step, c.job, c.job_identity, fmt, self.world_size, time.time(), c.run_id, c.attempt, dict(files))
+
+    def _save_replicated(self, state: Mapping[str, Any], step: int) -> Path | None:
+        import torch
+
+        shared = self._shared_dir()
+        leaders = self._layout()
+        if shared or len(leaders) == 1:
+            return self._write_stream(torch, state, step) if self.rank == 0 else None
+        if self.rank not in leaders:
+            return None
+        payload = [None]
+        if self.rank == 0:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            payload = [buffer.getvalue()]  # type: ignore[list-item]
+        self._dist().broadcast_object_list(payload, src=0, group=self._leader_group)
+        return self._write_bytes(payload[0], step)  # type: ignore[arg-type]
+
+    def _partial(self, step: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        partial = partial_dir(self.root, step, f"{os.uname().nodename}-{os.getpid()}")
+        partial.mkdir()
+        return partial
+
+    def _write_stream(self, torch: Any, state: Mapping[str, Any], step: int) -> Path:
+        partial = self._partial(step)
+        with open(partial / STATE_FILE, "wb") as handle:
+            writer = HashingWriter(handle)
+            torch.save(state, writer)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return self._publish(partial, step, {STATE_FILE: writer.digest()})
+
+    def _write_bytes(self, payload: bytes, step: int) -> Path:
+        import hashlib
+
+        partial = self._partial(step)
+        with open(partial / STATE_FILE, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        digest = FileDigest(len(payload), hashlib.sha256(payload).hexdigest())
+        return self._publish(partial, step, {STATE_FILE: digest})
+
+    def _publish(self, partial: Path, step: int, files: Mapping[str, FileDigest], fmt: str = "torch") -> Path:
+        write_manifest(partial, self._manifest(step, fmt, files))
+        final = step_dir(self.root, step)
+        publish(partial, final)
+        prune(self.root, self.keep)
+        return final
+
+    def _save_sharded(self, state: Mapping[str, Any], step: int) -> Path | None:
+        import torch.distributed.checkpoint as dcp
+
+        dist = self._dist()
+        if not self._shared_dir():
+            raise CheckpointError(
+                f"checkpoint.dir {self.root}: sharded checkpoints need a directory every host shares (a shared filesystem); "
+                "set checkpoint.dir to one, or save replicated state (sharded=False)"
+            )
+        partial = partial_dir(self.root, step, f"{self._config.run_id}-a{self._config.attempt}")
+        if self.rank == 0:
+            partial.mkdir(parents=True, exist_ok=True)
+        if dist is not None:
+            dist.barrier()
+        dcp.save(dict(state), checkpoint_id=str(partial))
+        # each rank digests the files it wrote (rank 0 also the metadata), side by side
+        mine = {p.name: file_digest(p) for p in partial.iterdir() if p.name.startswith(f"__{self.rank}_") or (self.rank == 0 and not p.name.startswith("__"))}
+        every: list[Any] = [mine]
+        if dist is not None:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine)
+        if self.rank != 0:
+            return None
+        files = {name: digest for part in every for name, digest in part.items()}
+        return self._publish(partial, step, files, fmt="dcp")
+
+    # --- load ----------------------------------------------------------------------------------
+    def load(self, state: Mapping[str, Any] | None = None, *, source: str | Path | None = None, map_location: Any = None) -> Restored | None:
+        """The newest complete checkpoint of this job (or the one at ``source``: a ``step-*``
+        directory or a checkpoint directory), on ``map_location`` (default: this rank's device);
+        None when there is none. Every rank calls it. A sharded checkpoint loads into ``state``
+        (its tensors are filled in place, resharded to this world size) and returns it."""
+        started = time.perf_counter()
+        root = Path(source).expanduser() if source is not None else self.root
+        found = self._find(root)
+        steps = self._gather(found[0].step if found else -1)
+        best = max(steps)
+        if best < 0 and source is not None:  # asked for one by name: never a silent fresh start
+            raise CheckpointError(f"checkpoint {root}: no complete checkpoint there (a step-* folder with its manifest), on any rank's host")
+        if best < 0:
+            return None
+        source_rank = steps.index(best)
+        manifest, where = self._broadcast((found[0], str(found[1])) if found and self.rank == source_rank else None, source_rank)
+        folder = Path(where)  # the same path on every host
+        if manifest.format == "dcp":
+            restored = self._load_sharded(state, folder, manifest)
+        else:
+            payload = self._payload(folder, steps, best, source_rank, keep_copy=root == self.root)
+            restored = self._load_bytes(payload, manifest, folder, map_location)
+        self.load_s += time.perf_counter() - started
+        if self.last_step is None:  # the attempt's first checkpoint: what it resumed from (not a read-back of its own)
+            self.resumed_step = best
+            self._on_resumed(best)
+        self.last_step = best
+        return restored
+
+    def _find(self, root: Path) -> tuple[Manifest, Path] | None:
+        """The newest checkpoint this rank sees (its manifest read, its files verified when they
+        are read): a ``step-*`` folder given as ``root`` is taken as is. Every rank looks, so a
+        rank that sees no copy where its host's others do (a container's own /tmp) is served too."""
+        if (root / MANIFEST).exists():
+            return Manifest.read(root), root
+        if root == self.root and self.rank in self._layout():
+            drop_partials(root)  # no one writes while the group loads
+        return latest(root, self._config.job_identity, verify_files=False)
+
+    def _gather(self, value: int) -> list[int]:
+        dist = self._dist()
+        if dist is None:
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value)
+        return [int(v) for v in every]
+
+    def _broadcast(self, value: Any, src: int, group: Any = None) -> Any:
+        dist = self._dist()
+        if dist is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    def _payload(self, folder: Path, steps: list[int], best: int, source_rank: int, *, keep_copy: bool) -> bytes:
+        """The checkpoint's bytes on every rank, verified: each reads its own copy when every rank
+        sees one, else the first rank that has it reads it and sends it to all; a host's leader
+        that had none keeps a copy (``keep_copy``), so a later restart there finds it."""
+        leaders = self._layout()
+        if all(step == best for step in steps):
+            return _read_verified(folder)
+        payload = self._broadcast(_read_verified(folder) if self.rank == source_rank else None, source_rank)
+        if keep_copy and self.rank in leaders and steps[self.rank] != best:
+            self._write_bytes(payload, best)
+        return payload
+
+    def _load_bytes(self, payload: bytes, manifest: Manifest, folder: Path, map_location: Any) -> Restored:
+        import torch
+
+        state = torch.load(io.BytesIO(payload), map_location=map_location or self.device, weights_only=True)
+        return Restored(state, manifest.step, folder, manifest)
+
+    def _load_sharded(self, state: Mapping[str, Any] | None, folder: Path, manifest: Manifest) -> Restored:
+        import torch.distributed.checkpoint as dcp
+
+        if state is None:
+            raise CheckpointError(f"checkpoint {folder}: a sharded checkpoint loads into the state it fills: call ctx.checkpoint.load(state)")
+        if not folder.is_dir():
+            raise CheckpointError(f"checkpoint {folder}: not on this host; sharded checkpoints need a checkpoint.dir every host shares")
+        check_files(folder, Manifest.read(folder)) if self.rank == 0 else None
+        dcp.load(state, checkpoint_id=str(folder))
+        return Restored(state, manifest.step, folder, manifest)
+
+    def steps_on_disk(self) -> list[int]:
+        """The complete checkpoints in this host's directory (what ``keep`` left)."""
+        return [step for step, _ in complete_steps(self.root)]
+
+
+def _read_verified(folder: Path) -> bytes:
+    """The state file of a replicated checkpoint, checked against its manifest in the same read."""
+    import hashlib
+
+    manifest = Manifest.read(folder)
+    expected = manifest.files.get(STATE_FILE)
+    path = folder / STATE_FILE
+    try:
+        payload = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read it ({exc.strerror or exc}); delete {folder} to drop the checkpoint") from None
+    got = FileDigest(len(payload), hashlib.sha256(payload).hexdigest())
+    if expected is None or got != expected:
+        raise CheckpointError(f"checkpoint {path}: its contents differ from its manifest (sha256 {got.sha256[:12]}...); delete {folder} to drop the checkpoint")
+    return payload

@@ -1,0 +1,132 @@
+"""Runs that survive, for real (torchrun, gloo on the CPU): ddp_train saves through ctx.checkpoint
+every epoch (4 steps); a rank SIGKILLed mid-run, a save cut short, a SIGTERM to ``launch``
+followed by ``launch resume`` all end with the same model, bit for bit, as a run that was never
+interrupted (same seed, deterministic on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, launch, pids_mentioning
+from tests.jobs.conftest import TINY_TRAIN, JobRun, assert_succeeded, run_job
+
+WRAPPER = "entrypoint=tests.jobs.killed_train:run"
+EPOCHS = ["params.epochs=6", "scaling.workers=[2]", *TINY_TRAIN]  # 4 steps an epoch: checkpoints at 4, 8, ... 24
+
+
+def sha_of(run: JobRun) -> set[str]:
+    return {r["result"]["model_sha256"] for r in run.ranks()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    out = tmp_path_factory.mktemp("baseline")
+    run = run_job(out, "ddp_train", WRAPPER, *EPOCHS, "params.kill_at=-1", f"params.marker={out / 'unused'}")
+    assert_succeeded(run, "ddp_train", [2])
+    assert len(sha_of(run)) == 1 and run.result["restarts"] == 0
+    return run
+
+
+def test_a_rank_killed_mid_run_is_restarted_from_the_last_checkpoint_and_ends_with_the_same_model(tmp_path, uninterrupted) -> None:
+    run = run_job(tmp_path, "ddp_train", WRAPPER, *EPOCHS, "params.kill_rank=1", "params.kill_at=10", f"params.marker={tmp_path / 'killed'}")
+    assert_succeeded(run, "ddp_train", [2])
+    assert (tmp_path / "killed").is_file()  # the first attempt did lose rank 1
+    first, second = run.result["stages"][0]["attempts"]
+    assert (first["failure_class"], first["restarted"], first["checkpoint_step"]) == ("rank_lost", True, 8), first
+    assert first["cause"].startswith("rank 1 on ") and "killed by SIGKILL" in first["cause"]
+    assert 0 <= first["lost_steps"] <= 2, first  # steps 9-10 were done after the checkpoint (as far as the beacons told)
+    assert (second["resumed_step"], second["status"]) == (8, "succeeded")
+    assert all(r["result"]["start_step"] == 8 and r["result"]["steps"] == 24 for r in run.ranks())
+    assert sha_of(run) == sha_of(uninterrupted)  # bit for bit: parameters, optimizer moments and data order restored
+    assert "the job resumes from the checkpoint of step 8" in run.stderr + run.stdout
+
+
+def test_a_checkpoint_cut_short_is_never_loaded(tmp_path, uninterrupted) -> None:
+    # rank 0 (the writer) dies inside the save of step 12, after its first bytes
+    run = run_job(tmp_path, "ddp_train", WRAPPER, *EPOCHS, "params.kill_rank=0", "params.kill_at=12", "params.kill_in_save=true",
+                  f"params.marker={tmp_path / 'killed'}")  # fmt: skip
+    assert_succeeded(run, "ddp_train", [2])
+    first, second = run.result["stages"][0]["attempts"]
+    assert first["failure_class"] == "rank_lost" and first["checkpoint_step"] == 8
+    assert second["resumed_step"] == 8  # not 12: that one was never complete
+    checkpoints = run.run_dir / "world2" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000000020", "step-000000024"]  # keep: 2, no partial left
+    assert sha_of(run) == sha_of(uninterrupted)
+
+
+def test_sigterm_saves_at_the_next_step_and_launch_resume_finishes_the_same_run(tmp_path, uninterrupted) -> None:
+    args = ["jobs/ddp_train.yaml", "--out", str(tmp_path), "--quiet"]
+    for item in (WRAPPER, *EPOCHS, "params.kill_at=-1", f"params.marker={tmp_path / 'unused'}", "params.step_sleep_s=0.15"):
+        args += ["--set", item]
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        beacon = _wait_for_steps(tmp_path, 6)
+        os.kill(proc.pid, signal.SIGTERM)  # a spot VM's notice, a scheduler's stop
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out
+    run_dir = beacon.parents[2]
+    result = json.loads((run_dir / "result.json").read_text())
+    failure = result["failure"]
+    assert result["status"] == "interrupted" and failure["failure_class"] == "preempted", failure
+    (attempt,) = result["stages"][0]["attempts"]
+    saved = attempt["checkpoint_step"]
+    assert 6 <= saved < 24 and attempt["lost_steps"] == 0, attempt  # saved where it stopped: nothing lost
+    assert f"its last checkpoint is step {saved}; continue with: launch resume {run_dir}" in failure["summary"]
+    assert "stop notice sent to every rank" in out
+    assert all(r["result"]["stopped_early"] for r in result["ranks"])
+    assert pids_mentioning(str(run_dir)) == []
+
+    done = launch("resume", str(run_dir), "--quiet")
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = json.loads((run_dir / "result.json").read_text())
+    assert resumed["status"] == "succeeded" and resumed["run_id"] == result["run_id"]
+    assert resumed["stages"][0]["attempts"][0]["resumed_step"] == saved
+    assert {r["result"]["model_sha256"] for r in resumed["ranks"]} == sha_of(uninterrupted)
+    assert (run_dir / "world2" / "resumed1" / "reports" / "rank0.json").is_file()  # the stopped attempt's, set aside
+
+
+def test_resume_refuses_a_spec_that_changed_and_a_directory_that_is_no_run(tmp_path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text((REPO / "jobs" / "ddp_train.yaml").read_text())
+    run = run_job_from(spec, tmp_path / "runs", *EPOCHS[:1], "scaling.workers=[1]", *TINY_TRAIN, "params.epochs=1")
+    spec.write_text(spec.read_text().replace("lr: 0.002", "lr: 0.003"))
+    t0 = time.monotonic()
+    changed = launch("resume", str(run))
+    assert changed.returncode == 2 and changed.stderr.startswith(f"error: launch resume {run}: {spec} changed since the run"), changed.stderr
+    assert "Traceback" not in changed.stderr and time.monotonic() - t0 < 30
+    nothing = launch("resume", str(tmp_path))
+    assert nothing.returncode == 2 and f"launch resume {tmp_path}: no readable launch.json there" in nothing.stderr
+
+
+def run_job_from(spec: Path, out: Path, *sets: str) -> Path:
+    args = [str(spec), "--out", str(out), "--quiet"] + [a for s in sets for a in ("--set", s)]
+    done = launch(*args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (run_dir,) = (out / "ddp_train").iterdir()
+    return run_dir
+
+
+def _wait_for_steps(out: Path, steps: int, timeout_s: float = 120) -> Path:
+    """Rank 0's beacon once it counted ``steps`` (the run is well under way)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for beacon in out.glob("ddp_train/*/world2/progress/rank0.json"):
+            try:
+                if json.loads(beacon.read_text()).get("steps", 0) >= steps:
+                    return beacon
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"no beacon with {steps} steps under {out} after {timeout_s}s")

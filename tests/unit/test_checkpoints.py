@@ -1,0 +1,155 @@
+"""ctx.checkpoint in one process (world size 1), on a real disk: what is saved comes back, a
+checkpoint cut short is never loaded, and what must not be trusted is a one-line error naming
+its path (never a silent fresh start). The multi-rank paths run under torchrun in
+tests/integration/test_resume.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.checkpoints import PARTIAL_PREFIX, CheckpointError, Manifest, check_writable, complete_steps, job_identity
+from launcher.protocol import WorkerConfig
+from launcher.runtime.checkpoint import Checkpoints, StopNotice
+
+
+def config(tmp_path: Path, **overrides: object) -> WorkerConfig:
+    base = dict(
+        job="j", stage_dir=str(tmp_path / "world1"), device_type="cpu", pg_backend="gloo", threads_per_worker=1,
+        entrypoint="m:f", script=None, args=(), params={}, rendezvous_timeout_s=10, run_id="r1",
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_keep=2, job_identity=job_identity("j", "m:f"),
+    )  # fmt: skip
+    return WorkerConfig(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+def checkpoints(tmp_path: Path, **overrides: object) -> Checkpoints:
+    return Checkpoints(config(tmp_path, **overrides), rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def state(value: float) -> dict:
+    return {"model": {"w": torch.full((4, 4), value)}, "step": int(value), "rng": torch.get_rng_state(), "note": "plain values too"}
+
+
+def test_what_is_saved_comes_back_and_only_the_newest_are_kept(tmp_path: Path) -> None:
+    saved: list[int] = []
+    ck = Checkpoints(config(tmp_path), rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), on_saved=saved.append)
+    assert ck.load() is None  # a fresh start
+    for step in (10, 20, 30):
+        folder = ck.save(state(step), step=step)
+        assert folder == tmp_path / "ckpt" / f"step-{step:09d}"
+    assert saved == [10, 20, 30] and [s for s, _ in complete_steps(tmp_path / "ckpt")] == [20, 30]  # keep: 2
+    manifest = Manifest.read(tmp_path / "ckpt" / "step-000000030")
+    assert (manifest.step, manifest.job, manifest.format, manifest.run_id) == (30, "j", "torch", "r1")
+    assert manifest.files["state.pt"].bytes == (tmp_path / "ckpt" / "step-000000030" / "state.pt").stat().st_size
+
+    again = checkpoints(tmp_path)  # a restarted attempt
+    restored = again.load()
+    assert restored is not None and restored.step == 30 and again.resumed_step == 30
+    assert torch.equal(restored.state["model"]["w"], torch.full((4, 4), 30.0)) and restored.state["note"] == "plain values too"
+    assert torch.equal(restored.state["rng"], state(30)["rng"])
+
+
+def test_a_checkpoint_cut_short_is_never_loaded(tmp_path: Path) -> None:
+    ck = checkpoints(tmp_path)
+    ck.save(state(5), step=5)
+    # a writer killed mid-write leaves its temporary folder, half a file in it, and no manifest
+    partial = tmp_path / "ckpt" / f"{PARTIAL_PREFIX}step-000000009-host-123"
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"PK\x03\x04 half a zip")
+    restored = checkpoints(tmp_path).load()
+    assert restored is not None and restored.step == 5
+    assert not partial.exists()  # cleared at the load: nobody writes then
+
+
+def test_a_killed_save_leaves_no_step_folder(tmp_path: Path) -> None:
+    """The save itself killed (SIGKILL mid-write, in a child): the previous checkpoint is the latest."""
+    checkpoints(tmp_path).save(state(1), step=1)
+    pid = os.fork()
+    if pid == 0:  # the child: a save whose torch.save is killed after its first write
+        import signal
+
+        ck = checkpoints(tmp_path)
+        original = torch.save
+        torch.save = lambda obj, f, *a, **k: (f.write(b"PK\x03\x04"), os.kill(os.getpid(), signal.SIGKILL))  # type: ignore[assignment]
+        try:
+            ck.save(state(2), step=2)
+        finally:
+            torch.save = original
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status)
+    assert [s for s, _ in complete_steps(tmp_path / "ckpt")] == [1]
+    restored = checkpoints(tmp_path).load()
+    assert restored is not None and restored.step == 1
+
+
+def test_a_corrupted_manifest_is_an_error_naming_it(tmp_path: Path) -> None:
+    checkpoints(tmp_path).save(state(3), step=3)
+    manifest = tmp_path / "ckpt" / "step-000000003" / "manifest.json"
+    manifest.write_text('{"step": 3, "job": ')
+    with pytest.raises(CheckpointError) as info:
+        checkpoints(tmp_path).load()
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {manifest}: corrupted manifest") and "\n" not in message
+
+
+def test_a_changed_state_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    checkpoints(tmp_path).save(state(3), step=3)
+    path = tmp_path / "ckpt" / "step-000000003" / "state.pt"
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {path}: its contents differ from its manifest"):
+        checkpoints(tmp_path).load()
+
+
+def test_another_jobs_checkpoint_is_refused(tmp_path: Path) -> None:
+    checkpoints(tmp_path, job="other", job_identity=job_identity("other", "m:g")).save(state(3), step=3)
+    with pytest.raises(CheckpointError, match=r"written by another job \('other'"):
+        checkpoints(tmp_path).load()
+
+
+def test_a_directory_that_is_not_writable_is_refused(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match=rf"^checkpoint.dir {blocker / 'ckpt'}: not writable"):
+        check_writable(blocker / "ckpt")
+
+
+def test_load_from_a_given_step_folder_and_onto_another_device_type(tmp_path: Path) -> None:
+    checkpoints(tmp_path).save(state(7), step=7)
+    other = checkpoints(tmp_path / "elsewhere")
+    restored = other.load(source=tmp_path / "ckpt" / "step-000000007", map_location="meta")
+    assert restored is not None and restored.step == 7 and restored.state["model"]["w"].device.type == "meta"
+
+
+def test_step_must_be_a_count(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        checkpoints(tmp_path).save(state(1), step=-1)
+
+
+def test_the_stop_notice_is_the_jobs_once_it_watches() -> None:
+    notice = StopNotice(grace_s=30)
+    called: list[str] = []
+    with notice:
+        assert notice.requested is False and notice.seconds_left is None
+        notice.on_stop(lambda: called.append(notice.reason))
+        notice.notify("SIGTERM")
+        assert notice.requested is True and called == ["SIGTERM"]
+        assert 29 < (notice.seconds_left or 0) <= 30
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signal handlers live in the main thread")
+def test_a_host_sigterm_is_a_notice_for_a_watching_job_and_the_handler_goes_with_it() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    notice = StopNotice(grace_s=30)
+    with notice:
+        assert notice.requested is False  # the job watches from now on
+        os.kill(os.getpid(), signal.SIGTERM)  # a spot VM's shutdown, say: this process lives on
+        assert notice.requested is True and notice.reason == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == before
