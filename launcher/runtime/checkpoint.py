@@ -104,11 +104,20 @@ class StopNotice:
         _NOTICES.append(self)
         if _PENDING_REASON:
             self.notify(_PENDING_REASON)
-        try:
-            self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread (a Ray actor's): the launcher's notice still comes
-            pass
         return self
+
+    def _watch(self) -> None:
+        """The job looks at the notice: from now on a SIGTERM is one. Not before: a Python-level
+        handler waits for the main thread to leave C++ (a rank blocked in a collective would
+        outlive its SIGTERM), so a job that never looks keeps SIGTERM's default, instant end."""
+        if self.watched:
+            return
+        self.watched = True
+        if _NOTICES and _NOTICES[-1] is self:
+            try:
+                self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
+            except ValueError:  # not the main thread (a Ray actor's): the launcher's notice still comes
+                pass
 
     def __exit__(self, *_exc: Any) -> None:
         if self._pending is not None:  # every rank posted it: let it finish before the group goes
@@ -119,9 +128,10 @@ class StopNotice:
         _NOTICES.remove(self)
         if self._previous_term is not None:
             signal.signal(signal.SIGTERM, self._previous_term)
+            self._previous_term = None
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self.watched and self._at is None:
+        if self._at is None:
             self.notify("SIGTERM")
             return
         previous = self._previous_term
@@ -144,7 +154,7 @@ class StopNotice:
         once per step, on every rank, like a collective): each call posts this rank's flag in a
         small asynchronous all-reduce over the CPU (gloo) and reads the one the call before posted,
         long done by then. A notice is acted on one step after it came; no device sync, no wait."""
-        self.watched = True
+        self._watch()
         if self._agreed:
             return True
         group = self._group()
@@ -187,7 +197,7 @@ class StopNotice:
     def on_stop(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when a notice comes (in the main thread, between two bytecodes, for a
         signal; in the notifying thread otherwise)."""
-        self.watched = True
+        self._watch()
         self._callbacks.append(callback)
 
 

@@ -225,8 +225,7 @@ class _Rank:
                 r.result = _jsonable(entry(ctx))
         finally:
             r.checkpoint = CheckpointActivity(checkpoint.resumed_step, checkpoint.last_step, round(checkpoint.save_s, 4), round(checkpoint.load_s, 4))
-            if notice.requested:
-                r.stop_notice = notice.reason
+            r.stop_notice = notice.reason or None  # not ``requested``: that is a collective (the group's answer)
 
     def _saved(self, step: int) -> None:
         self.beacon.extra.update(ckpt_step=step, ckpt_at=self.recorder.steps if self.recorder else 0)

@@ -1,18 +1,24 @@
 """The Slurm backend's pure parts, without a cluster: parsing Slurm's output, the allocation a spec
-asks for (and the refusal of one no partition can hold), the sbatch script, the ``slurm:`` section's
-checks, and why a job that ended without a result ended (the lines the launcher inside a job
-writes for the one outside are the remote-run wire's: tests/unit/test_wire.py)."""
+asks for (and the refusal of one no partition can hold), the sbatch script (its body run by bash
+with a stand-in launcher and scancel), the ``slurm:`` section's checks, and why a job that ended
+without a result ended (the lines the launcher inside a job writes for the one outside are the
+remote-run wire's: tests/unit/test_wire.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from launcher.backends.slurm import commands
 from launcher.backends.slurm.commands import Partition, SlurmNode
-from launcher.backends.slurm.script import allocation_for, sbatch_script
+from launcher.backends.slurm.script import allocation_for, batch_body, sbatch_script
 from launcher.backends.slurm.outcome import explain_end
 from launcher.errors import PlanError, SpecError
 from launcher.records import FailureReason
@@ -86,7 +92,78 @@ def test_the_sbatch_script(tmp_path):
         "#SBATCH --time=0:12:00", "#SBATCH --constraint=a100&ib", "#SBATCH --output=/shared/runs/tiny/r1/slurm-%j.out",
         "#SBATCH --chdir=/shared/proj", "#SBATCH --export=ALL", "#SBATCH --no-requeue", "#SBATCH --mem=64G", "#SBATCH --exclusive",
     ]  # fmt: skip
-    assert lines[0] == "#!/bin/bash" and lines[-1] == "exec /opt/venv/bin/python -m launcher.control.submitted slurm /shared/runs/tiny/r1"
+    assert lines[0] == "#!/bin/bash" and "/opt/venv/bin/python -m launcher.control.submitted slurm /shared/runs/tiny/r1 &" in lines
+    assert lines.index("export GPULAUNCH_SLURM_INSIDE=1") < lines.index("trap '' USR2") and lines[-1] == 'exit "$code"'
+
+
+# A stand-in for the launcher inside: says it is ready, then exits as MODE says; "stop" stops the
+# run on SIGTERM (exit 130, as the launcher does once its result is written) and notes each
+# SIGTERM it gets; "bare" has no handler (a stop before the launcher set its own: it dies of it).
+FAKE_LAUNCHER = """\
+import os, signal, sys, time
+mode, notes = sys.argv[1], sys.argv[2]
+def note(what):
+    with open(notes, "a") as f:
+        f.write(what + "\\n")
+def on_term(signum, frame):
+    note("TERM")
+    time.sleep(0.3)  # stopping its steps, writing its result: a second signal would come now
+    sys.exit(130)
+if mode != "bare":
+    signal.signal(signal.SIGTERM, on_term)
+with open(notes + ".pid", "w") as f:
+    f.write(str(os.getpid()))
+note("ready")
+if mode in ("0", "1"):
+    sys.exit(int(mode))
+time.sleep(30)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    "mode, signals, code, cancelled",
+    [
+        ("0", "", 0, False),  # finished: COMPLETED
+        ("1", "", 1, False),  # failed: FAILED
+        ("stop", "USR2 USR2", 130, True),  # launch stops it (twice: Ctrl-C, then launch stop): one SIGTERM
+        ("stop", "TERM", 130, True),  # Slurm's own SIGTERM (time limit, scancel): the launcher's, not handed on
+        ("bare", "USR2", 143, True),  # stopped before the launcher set its handler: cancelled all the same
+    ],
+)
+def test_the_batch_script_ends_the_job_as_the_launcher_inside_did(tmp_path, mode, signals, code, cancelled):
+    """The batch script's body, run by bash with a stand-in launcher and a stand-in scancel: a
+    stopped run (SIGUSR2 to the shell, from launch) has its launcher get one SIGTERM and, once it
+    exits 130, the job cancelled from inside (Slurm then records CANCELLED); Slurm's SIGTERM to
+    the whole batch step reaches the launcher once, the shell stays; 0 and 1 are passed on alone."""
+    (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "scancel").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "scancel.args"}\n')
+    (tmp_path / "bin" / "scancel").chmod(0o755)
+    notes = tmp_path / "notes"
+    script = tmp_path / "job.sbatch"
+    script.write_text("\n".join(["#!/bin/bash", *batch_body([sys.executable, str(tmp_path / "launcher.py"), mode, str(notes)])]) + "\n")
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    shell = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while "ready" not in (notes.read_text() if notes.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        launcher = int((tmp_path / "notes.pid").read_text())
+        for name in signals.split():
+            sig = getattr(signal, f"SIG{name}")
+            os.kill(shell.pid, sig)
+            if name == "TERM":  # Slurm signals every process of the batch step
+                os.kill(launcher, sig)
+            time.sleep(0.05)
+        assert shell.wait(20) == code
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+    assert notes.read_text().split() == ["ready", *(["TERM"] if mode == "stop" else [])]
+    asked = tmp_path / "scancel.args"
+    assert (asked.read_text() if asked.exists() else None) == ("--quiet 4242\n" if cancelled else None)
 
 
 def test_the_slurm_section_is_checked_with_file_and_line(tmp_path):

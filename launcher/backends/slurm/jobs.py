@@ -14,12 +14,12 @@ from typing import Any, Callable
 
 from launcher.backends.slurm import commands
 from launcher.backends.slurm.outcome import settle
-from launcher.backends.slurm.script import RECORD_FILE
+from launcher.backends.slurm.script import RECORD_FILE, STOP_SIGNAL
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.stage.engine import JobInfo
 from launcher.stage.wire import readable
 
-STOP_GRACE_S = 15.0  # after SIGTERM, for the launcher inside to stop its steps and write its result
+STOP_GRACE_S = 15.0  # after STOP_SIGNAL, for the launcher inside to stop its steps and write its result
 KILL_WAIT_S = 60.0  # after scancel, for Slurm to end every step (KillWait, then SIGKILL)
 ACTIVE_NOT_STARTED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESV_DEL_HOLD")
 
@@ -120,8 +120,9 @@ def stop_job(job_id: str) -> str:
 
 def cancel_and_wait(job_id: str, *, hurry: Any = lambda: False, pump: Any = lambda: None) -> commands.JobState | None:
     """Cancel a job and wait until it has left every active state (its steps are gone): a
-    running one first gets SIGTERM in its batch script (the launcher inside stops its steps and
-    writes its result), then ``scancel`` after STOP_GRACE_S (at once when ``hurry()`` turns true)."""
+    running one's batch script first gets STOP_SIGNAL (the launcher inside gets SIGTERM, stops its
+    steps and writes its result, then the script cancels the job: Slurm records CANCELLED), then
+    ``scancel`` after STOP_GRACE_S (at once when ``hurry()`` turns true)."""
     try:
         state = commands.squeue_state(job_id)
     except commands.SlurmError:  # slurmctld does not answer: ask for the cancel all the same
@@ -134,7 +135,7 @@ def cancel_and_wait(job_id: str, *, hurry: Any = lambda: False, pump: Any = lamb
     if state.state in ACTIVE_NOT_STARTED:
         commands.cancel(job_id)
     else:
-        commands.cancel(job_id, batch_signal="TERM")
+        commands.cancel(job_id, batch_signal=STOP_SIGNAL)
         state = wait_ended(job_id, STOP_GRACE_S, hurry, pump)
         if state is None or state.terminal:
             return state

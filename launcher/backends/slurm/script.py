@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from launcher.backends.slurm.commands import Partition, time_limit
-from launcher.errors import PlanError
+from launcher.errors import EXIT_INTERRUPTED, PlanError
 from launcher.protocol import ENV_SLURM_INSIDE
 from launcher.runtime.devices import GpuInfo, NodeInventory
 from launcher.stage.plan import NodeTarget
@@ -29,6 +29,12 @@ SPEC_FILE = "slurm-spec.yaml"  # the effective spec the job runs, secrets includ
 RECORD_FILE = "slurm.json"  # the job id and what a result written without the job needs
 OUTPUT_PATTERN = "slurm-%j.out"
 MARGIN_S = 60  # added to the stages' timeouts for Slurm's time limit: start-up and teardown
+# What ``launch`` (Ctrl-C, ``launch stop``) sends the batch script alone (``scancel --batch
+# --signal=USR2``) to stop a running job: the script hands the launcher inside a SIGTERM and, once
+# it has written its result, cancels the job itself, so that Slurm records CANCELLED (batch_body).
+# Not SIGTERM: Slurm's own (time limit, a plain scancel) reaches every process of the batch step,
+# the launcher included; a SIGTERM handed on as well would be its second: "stop at once".
+STOP_SIGNAL = "USR2"
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,6 @@ def sbatch_script(job: LoadedJob, alloc: Allocation, run_dir: Path, *, python: s
         "--no-requeue",  # never again into the same run directory after a node failure
         *s.extra_sbatch,
     ]
-    body = shlex.join(["exec", python, "-m", SUBMITTED_MODULE, "slurm", str(run_dir)])
     return "\n".join(
         [
             "#!/bin/bash",
@@ -147,10 +152,41 @@ def sbatch_script(job: LoadedJob, alloc: Allocation, run_dir: Path, *, python: s
             "# The launcher again, inside the allocation: one srun step per node, each a torchrun agent",
             "# with a static rendezvous on the first node; results and logs go to the run directory.",
             f"export {ENV_SLURM_INSIDE}=1",
-            body,
+            *batch_body([python, "-m", SUBMITTED_MODULE, "slurm", str(run_dir)]),
             "",
         ]
     )
+
+
+def batch_body(argv: Sequence[str]) -> list[str]:
+    """The script's lines that run the launcher inside (``argv``) and end the job as its result
+    says: COMPLETED (exit 0), FAILED (any other), CANCELLED once stopped. A batch script that
+    merely exits 130 leaves a FAILED job in Slurm's records however it was stopped, and ``scancel``
+    from ``launch`` comes only after STOP_GRACE_S: so the script cancels the job itself once the
+    launcher has stopped and written its result (a cancel asked before the script ends makes the
+    job CANCELLED). ``launch`` sends SIG``STOP_SIGNAL`` to this shell alone, which hands the
+    launcher one SIGTERM. The launcher runs in the background (a shell runs its traps only between
+    commands) with SIG``STOP_SIGNAL`` ignored, so ``wait`` ends with 128+that signal only when the
+    trap cut it short; the shell ignores SIGTERM, which Slurm sends every process of the batch
+    step (time limit, a plain scancel): the launcher gets it directly, the shell stays to report."""
+    stop = STOP_SIGNAL
+    return [
+        f"# launch stops the run with SIG{stop} to this shell: the launcher gets SIGTERM, stops its steps and",
+        "# writes its result, then the job cancels itself (Slurm records CANCELLED; ending 130 it would be FAILED)",
+        "stopped=",
+        f"trap '' {stop}",
+        shlex.join(argv) + " &",
+        "launcher=$!",
+        f"trap '[ -n \"$stopped\" ] || {{ stopped=1; kill -TERM \"$launcher\" 2>/dev/null; }}' {stop}  # once",
+        "trap '' TERM  # Slurm's own SIGTERM (time limit, scancel) reaches the launcher itself",
+        f"cut_short=$((128 + $(kill -l {stop})))  # what wait returns when the trap cut it short",
+        'code=$cut_short',
+        'while [ "$code" -eq "$cut_short" ]; do wait "$launcher"; code=$?; done',
+        f'if [ "$code" -eq {EXIT_INTERRUPTED} ] || {{ [ -n "$stopped" ] && [ "$code" -gt 128 ]; }}; then',
+        '    scancel --quiet "$SLURM_JOB_ID"  # stopped: the job ends CANCELLED, its result written',
+        "fi",
+        'exit "$code"',
+    ]
 
 
 def output_path(run_dir: Path, job_id: str) -> Path:

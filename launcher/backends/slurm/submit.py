@@ -9,8 +9,9 @@ launcher runs the stages with the srun engine and writes the run's events into `
 wire's one follow loop, so the console and ``/metrics`` here show every rank live. When the job has
 ended, ``result.json`` is the one the launcher inside wrote, or, if it could not write one (its
 node was lost, the job was cancelled before it ran), one written here from the job's final state.
-Ctrl-C or SIGTERM cancel the job: first SIGTERM to the launcher inside (it stops its steps and
-writes its result), then ``scancel`` if it has not ended within ``STOP_GRACE_S``.
+Ctrl-C or SIGTERM cancel the job: first SIGTERM to the launcher inside, through its batch script
+(it stops its steps and writes its result; the script then cancels the job, so that Slurm's own
+record says CANCELLED), then ``scancel`` if it has not ended within ``STOP_GRACE_S``.
 """
 
 from __future__ import annotations
