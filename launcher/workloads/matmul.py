@@ -62,7 +62,13 @@ def run(ctx: Any) -> dict[str, Any]:
     dtype = torch_dtype(p.dtype)
     rec = ctx.metrics
     host = host_barrier_group(dist, ctx)  # waiting ranks sleep in gloo instead of spinning
+    done = _resume_sizes(ctx, rec)  # after a restart: the sizes measured before it, their figures restored
     for n in p.sizes:
+        if n in done:
+            continue
+        if ctx.should_stop:  # a stop notice: what is measured is saved (every rank asks, once per size)
+            out["stopped_before"] = n
+            break
         a = torch.randn(n, n, device=ctx.device, dtype=dtype)  # made on the device: no host copy
         b = torch.randn(n, n, device=ctx.device, dtype=dtype)
         c = a
@@ -75,10 +81,44 @@ def run(ctx: Any) -> dict[str, Any]:
                     c = torch.matmul(a, b)
                     rec.step()
         rec.log(f"checksum/{n}", c.norm())  # stays on the device until the end
+        done.append(n)
+        _save_sizes(ctx, rec, done)
+    if "stopped_before" in out:
+        return out
     if ctx.world_size >= 2:
         _concurrent_vs_sequential(ctx, p, torch, dist, dtype, host)
     out["machine_end"] = machine_state()
     return out
+
+
+def _save_sizes(ctx: Any, rec: Any, done: list[int]) -> None:
+    """A checkpoint once a size is measured: the sizes done and every rank's figures so far (a
+    rank's own, gathered to rank 0, which saves them). Copying the figures to the host here, once
+    per size and not per step, is the price of surviving a restart."""
+    import torch.distributed as dist
+
+    mine = rec.to_host()
+    every = [mine]
+    if ctx.world_size > 1:
+        every = [None] * ctx.world_size
+        dist.all_gather_object(every, mine)
+    ctx.checkpoint.save({"sizes_done": list(done), "ranks": every}, step=len(done))
+
+
+def _resume_sizes(ctx: Any, rec: Any) -> list[int]:
+    """The sizes a restarted stage measured before (none on a fresh start); this rank's figures
+    for them go back into its recorder, as if measured in this attempt."""
+    restored = ctx.checkpoint.load()
+    if restored is None:
+        return []
+    figures = restored.state["ranks"][ctx.rank]
+    for name, times in figures["times_ms"].items():
+        for ms in times:
+            rec.add_time_ms(name, ms)
+    for name, logged in figures["values"].items():
+        for value in logged:
+            rec.log(name, value)
+    return [int(n) for n in restored.state["sizes_done"]]
 
 
 def concurrency_params(p: Params) -> tuple[int, int]:

@@ -130,3 +130,18 @@ def _wait_for_steps(out: Path, steps: int, timeout_s: float = 120) -> Path:
                 pass
         time.sleep(0.1)
     raise AssertionError(f"no beacon with {steps} steps under {out} after {timeout_s}s")
+
+
+def test_the_matmul_job_resumes_past_the_sizes_it_had_measured(tmp_path) -> None:
+    run = run_job(tmp_path, "matmul_scaling", "entrypoint=tests.jobs.killed_matmul:run", "scaling.workers=[2]", "params.sizes=[32,64,96]",
+                  "params.iters=3", "params.trials=3", "max_restarts=1", f"params.marker={tmp_path / 'killed'}")  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "killed").is_file()
+    first, second = run.result["stages"][0]["attempts"]
+    assert first["failure_class"] == "rank_lost" and first["checkpoint_step"] == 1  # size 32 measured, then rank 1 died
+    assert second["resumed_step"] == 1
+    for rank in run.ranks():
+        times = rank["metrics"]["times_ms"]
+        # every size's three trials: 32's from the first attempt (restored), 64 and 96 from the second
+        assert all(len(times[f"matmul/{n}"]) == 3 for n in (32, 64, 96)), times
+    assert [row["size"] for row in run.summary["rows"]] == [32, 64, 96]  # the table has every size
