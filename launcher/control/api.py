@@ -223,13 +223,16 @@ def run_job(
         sizing = size_run(loaded, nodes)  # impossible requests fail here, before anything is spawned
     run_id = Path(run_dir).name if run_dir else new_run_id()
     run_dir = Path(run_dir) if run_dir else Path(out).resolve() / loaded.spec.name / run_id
+    found: list[str] = []
     if nodes is not None and sizing is not None and all(n.ssh is None for n in nodes):  # the checkpoints are on this machine
-        check_checkpoint_dirs(loaded, [checkpoint_root(loaded, StagePaths.of(run_dir, size)) for size in sizing.world_sizes])
+        found = check_checkpoint_dirs(loaded, [checkpoint_root(loaded, StagePaths.of(run_dir, size)) for size in sizing.world_sizes])
     run_dir = _make_run_dir(loaded, run_dir, out)
     if not resume and not (run_dir / LAUNCH_FILE).exists():
         record_launch(loaded, run_dir, backend, cluster_path(loaded, cluster))
     kept = finished_stages(run_dir) if resume else {}
     started = time.time()
+    for line in found:
+        events.message(line)
     with _stop_on_signals(stop), _serving_metrics(loaded, run_id, runner.name, events, metrics) as watched:
         with runner.session(loaded):
             if nodes is None:  # a Ray cluster, a Slurm allocation: plan on what it has, known once connected

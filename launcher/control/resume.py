@@ -105,13 +105,18 @@ def set_aside(paths: StagePaths) -> Path | None:
     return folder if moved else None
 
 
-def check_checkpoint_dirs(job: LoadedJob, roots: Sequence[Path]) -> None:
+def check_checkpoint_dirs(job: LoadedJob, roots: Sequence[Path]) -> list[str]:
     """Before anything starts, on this machine: each stage's checkpoint directory can be written,
-    and what is in it is this job's and intact; else one line naming the path (exit 2)."""
+    and what is in it is this job's; else one line naming the path (exit 2). Returns a line for
+    each stage that will resume from a checkpoint already there (so it is never a surprise)."""
+    found = []
     for root in roots:
         try:
             if job.spec.checkpoint.dir is not None:
                 check_writable(root)
-            latest(root, job_identity_of(job), verify_files=False)
+            newest = latest(root, job_identity_of(job), verify_files=False)
         except CheckpointError as exc:
             raise LauncherError(str(exc), exit_code=EXIT_BAD_INPUT) from None
+        if newest is not None:
+            found.append(f"{root.name}: the job finds its checkpoint of step {newest[0].step} in {root} and resumes from it")
+    return found

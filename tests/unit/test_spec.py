@@ -400,3 +400,39 @@ def test_hang_settings_are_checked_and_reach_the_plan(tmp_path):
     off = load_job(write(tmp_path, "name: h\nentrypoint: launcher.workloads.matmul:run\ntimeouts: {hang_s: null, on_hang: restart}\n"))
     assert (off.spec.timeouts.hang_s, off.spec.timeouts.on_hang) == (None, "restart")
     assert load_job(write(tmp_path, "name: h\nentrypoint: launcher.workloads.matmul:run\n")).spec.timeouts.hang_s == 300
+
+
+def test_restart_checkpoint_and_preemption_settings_are_checked_and_reach_the_plan(tmp_path):
+    body = "name: r\nentrypoint: launcher.workloads.matmul:run\nrestart_on: [rank_lost, bugs]\ncheckpoint: {keep: 0}\npreemption: {grace_s: -1}\n"
+    path = write(tmp_path, body)
+    found = problems(path)
+    assert any(p.startswith(f"{path}:3: restart_on.1:") and "'job_error'" in p and "'all'" in p for p in found), found
+    assert any(p.startswith(f"{path}:4: checkpoint.keep:") for p in found), found
+    assert any(p.startswith(f"{path}:5: preemption.grace_s:") for p in found), found
+
+    from launcher.control.planning import plan_stage
+    from launcher.records import FailureClass
+    from launcher.runtime.devices import NodeInventory
+    from launcher.stage.plan import NodeTarget
+
+    node = NodeTarget("h", "127.0.0.1", NodeInventory("h", 2), "python3")
+    job = load_job(write(tmp_path, "name: r\nentrypoint: launcher.workloads.matmul:run\nmax_restarts: 2\nrestart_on: [all]\n"
+                                   "checkpoint: {dir: ckpt, keep: 3}\npreemption: {grace_s: 20}\n"))  # fmt: skip
+    plan = plan_stage(job, [node], 2, "cpu", run_dir=tmp_path / "run", master_port=1, backend=None, attempt=1)
+    assert plan.restart.max_restarts == 2 and plan.restart.stop_grace_s == 20
+    assert plan.restart.restart_on == frozenset(FailureClass.restartable())  # "all": every class but a user's stop
+    assert plan.worker.checkpoint_dir == str(tmp_path / "ckpt" / "world2")  # relative to the spec, one folder per stage
+    assert (plan.worker.checkpoint_keep, plan.worker.attempt, plan.worker.stop_grace_s) == (3, 1, 20.0)
+    default = plan_stage(load_job(write(tmp_path, "name: r\nentrypoint: launcher.workloads.matmul:run\n")), [node], 2, "cpu",
+                         run_dir=tmp_path / "run", master_port=1, backend=None)  # fmt: skip
+    assert default.worker.checkpoint_dir == str(tmp_path / "run" / "world2" / "checkpoints")
+    assert {c.value for c in default.restart.restart_on} == {"oom", "host_lost", "rank_lost", "hang", "rendezvous"}
+
+
+def test_restart_on_names_every_restartable_class():
+    import typing
+
+    from launcher.records import FailureClass
+    from launcher.spec.model import RestartClass
+
+    assert set(typing.get_args(RestartClass)) == {"all", *(c.value for c in FailureClass.restartable())}
