@@ -145,3 +145,27 @@ def test_the_matmul_job_resumes_past_the_sizes_it_had_measured(tmp_path) -> None
         # every size's three trials: 32's from the first attempt (restored), 64 and 96 from the second
         assert all(len(times[f"matmul/{n}"]) == 3 for n in (32, 64, 96)), times
     assert [row["size"] for row in run.summary["rows"]] == [32, 64, 96]  # the table has every size
+
+
+def test_a_sharded_checkpoint_saves_each_ranks_part_and_loads_resharded_at_another_world_size(tmp_path) -> None:
+    spec = tmp_path / "sharded.yaml"
+    spec.write_text(f"name: sharded\nentrypoint: tests.jobs.sharded_job:run\nenv: {{PYTHONPATH: {REPO}}}\nresources: {{cpu_workers: 2}}\n")
+    saved = launch(str(spec), "--out", str(tmp_path / "a"), "--quiet", "--set", "scaling.workers=[2]", "--json")
+    assert saved.returncode == 0, saved.stderr
+    result = json.loads(saved.stdout)
+    r0, r1 = sorted(result["ranks"], key=lambda r: r["rank"])
+    folder = Path(r0["result"]["saved_to"])
+    assert r1["result"]["saved_to"] is None and r0["result"]["rows_held"] == r1["result"]["rows_held"] == [4, 6]  # half each
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["format"] == "dcp" and manifest["world_size"] == 2 and manifest["step"] == 7
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(manifest["files"]) and not any(folder.parent.glob(".partial-*"))
+
+    # the same stage again finds it (a restart would), and world size 1 and 4 read it resharded
+    for size, rows in ((2, 4), (1, 8), (4, 2)):
+        loaded = launch(str(spec), "--out", str(tmp_path / f"b{size}"), "--quiet", "--set", f"scaling.workers=[{size}]",
+                        "--set", f"resources.cpu_workers={size}", "--set", f"params.source={folder}", "--json")  # fmt: skip
+        assert loaded.returncode == 0, loaded.stderr
+        for rank in json.loads(loaded.stdout)["ranks"]:
+            got = rank["result"]
+            assert (got["loaded_step"], got["format"], got["saved_world_size"], got["step_value"]) == (7, "dcp", 2, 7), got
+            assert got["equals_saved"] and got["rows_held"] == [rows, 6], (size, got)
