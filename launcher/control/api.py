@@ -79,6 +79,36 @@ def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
     return preflight(load_cluster(path), job)
 
 
+@dataclass
+class HostPool:
+    """The hosts a run's stages use (``resources.nodes`` of them, in the cluster file's order) and
+    the spares after them: a host lost in an attempt is replaced by the next spare for the restart
+    (and for every later stage)."""
+
+    active: list[NodeTarget]
+    spares: list[NodeTarget]
+
+    @classmethod
+    def of(cls, job: LoadedJob, nodes: Sequence[NodeTarget]) -> "HostPool":
+        wanted = job.spec.resources.nodes
+        return cls(list(nodes[:wanted]), list(nodes[wanted:])) if len(nodes) > wanted else cls(list(nodes), [])
+
+    def replace_lost(self, hosts: set[str]) -> str:
+        """Put a spare where each lost host was (its node rank: the plan keeps its shape); what happened, in one line."""
+        said = []
+        for name in sorted(hosts):
+            index = next((i for i, n in enumerate(self.active) if n.name == name), None)
+            if index is None:
+                continue
+            if self.spares:
+                spare = self.spares.pop(0)
+                self.active[index] = spare
+                said.append(f"{name} lost: its ranks go to the spare host {spare.name}")
+            else:
+                said.append(f"{name} lost and no spare host is left: the restart tries it again")
+        return "; ".join(said)
+
+
 def ray_address(job: LoadedJob, backend: str | None, address: str | None) -> str | None:
     """The Ray cluster to submit to: ``address=``, or the spec's ``ray.address`` on the Ray backend."""
     if address:
@@ -161,10 +191,11 @@ def dry_run(
         plans = make_plans(job, nodes, sizing, run_dir=run_dir, master_port=0, backend=runner.name) if nodes and sizing else []
         requests, notes = runner.dry_run(Submission(job, tuple(plans), Path(out), "<run-id>"))
         return DryRun(job, tuple(plans), tuple(requests), (*(sizing.notes if sizing else ()), *notes))
-    nodes = resolve_nodes(job, cluster)
-    sizing = size_run(job, nodes)
-    plans = make_plans(job, nodes, sizing, run_dir=run_dir, master_port=rendezvous_port(nodes), backend=runner.name)
-    return DryRun(job, tuple(plans), tuple(runner.launch_request(plan) for plan in plans), sizing.notes)
+    pool = HostPool.of(job, resolve_nodes(job, cluster))
+    sizing = size_run(job, pool.active)
+    plans = make_plans(job, pool.active, sizing, run_dir=run_dir, master_port=rendezvous_port(pool.active), backend=runner.name)
+    spares = (f"spare host(s) {', '.join(n.name for n in pool.spares)}: used when a host is lost",) if pool.spares else ()
+    return DryRun(job, tuple(plans), tuple(runner.launch_request(plan) for plan in plans), (*sizing.notes, *spares))
 
 
 def _stop_on_signals(stop: StopRequest) -> contextlib.AbstractContextManager[None]:
@@ -218,8 +249,10 @@ def run_job(
         raise LauncherError(f"--detach: the {runner.name} backend runs the job from here; only slurm submits it", exit_code=EXIT_BAD_INPUT)
     nodes: list[NodeTarget] | None = None
     sizing: RunSizing | None = None
+    pool: HostPool | None = None
     if not runner.plans_on_own_cluster:
-        nodes = resolve_nodes(loaded, cluster)
+        pool = HostPool.of(loaded, resolve_nodes(loaded, cluster))  # hosts beyond resources.nodes are spares
+        nodes = pool.active
         sizing = size_run(loaded, nodes)  # impossible requests fail here, before anything is spawned
     run_id = Path(run_dir).name if run_dir else new_run_id()
     run_dir = Path(run_dir) if run_dir else Path(out).resolve() / loaded.spec.name / run_id
@@ -235,11 +268,13 @@ def run_job(
         events.message(line)
     with _stop_on_signals(stop), _serving_metrics(loaded, run_id, runner.name, events, metrics) as watched:
         with runner.session(loaded):
-            if nodes is None:  # a Ray cluster, a Slurm allocation: plan on what it has, known once connected
-                nodes = runner.pool_nodes(loaded)
-                sizing = size_run(loaded, nodes)
+            if pool is None:  # a Ray cluster, a Slurm allocation: plan on what it has, known once connected
+                pool = HostPool(runner.pool_nodes(loaded), [])
+                sizing = size_run(loaded, pool.active)
             assert sizing is not None
-            outcomes, cut_short = _run_stages(loaded, runner, nodes, sizing, run_dir, stop, watched, kept=kept if resume else None)
+            if pool.spares:
+                watched.message(f"spare host(s) {', '.join(n.name for n in pool.spares)}: used when a host is lost")
+            outcomes, cut_short = _run_stages(loaded, runner, pool, sizing, run_dir, stop, watched, kept=kept if resume else None)
         return finish_run(loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short)
 
 
@@ -308,7 +343,7 @@ def _make_run_dir(loaded: LoadedJob, run_dir: Path, out: str | Path) -> Path:
 def _run_stages(
     loaded: LoadedJob,
     engine: StageEngine,
-    nodes: list[NodeTarget],
+    pool: HostPool,
     sizing: RunSizing,
     run_dir: Path,
     stop: StopRequest,
@@ -334,7 +369,8 @@ def _run_stages(
             return outcomes, Failure(FailureReason.INTERRUPTED, f"stopped by {stop.reason} before the stage of world size {size}")
         events.stage_started(loaded.spec.name, size, device_type, engine.name)
         try:
-            outcome = run_stage(_plan_factory(loaded, nodes, size, device_type, run_dir, engine.name), engine, stop=stop, events=events)
+            plans = _plan_factory(loaded, pool, size, device_type, run_dir, engine.name)
+            outcome = run_stage(plans, engine, stop=stop, events=events, replace_hosts=pool.replace_lost)
         except LauncherError as exc:  # the stage could not start (a host, a port, an agent)
             reason = FailureReason.INTERRUPTED if stop else FailureReason.NOT_STARTED
             return outcomes, Failure(reason, f"the stage of world size {size} could not start: {exc}")
@@ -346,12 +382,12 @@ def _run_stages(
     return outcomes, None
 
 
-def _plan_factory(
-    job: LoadedJob, nodes: Sequence[NodeTarget], size: int, device_type: str, run_dir: Path, backend_name: str
-) -> Callable[[int], StagePlan]:
-    """Plans for one stage; every attempt (restart) gets a freshly chosen rendezvous port."""
+def _plan_factory(job: LoadedJob, pool: HostPool, size: int, device_type: str, run_dir: Path, backend_name: str) -> Callable[[int], StagePlan]:
+    """Plans for one stage; every attempt (restart) gets a freshly chosen rendezvous port, on the
+    pool's hosts as they are then (a lost one replaced by a spare)."""
 
     def make(attempt: int) -> StagePlan:
+        nodes = list(pool.active)
         port = rendezvous_port(nodes)
         return plan_stage(job, nodes, size, device_type, run_dir=run_dir, master_port=port, backend=backend_name, attempt=attempt)
 

@@ -24,7 +24,7 @@ from launcher.control.stagestate import StageState
 from launcher.control.stragglers import StragglerWatch
 from launcher.masking import scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
-from launcher.protocol import STOP_NOTICE_SIGNAL, RankProgress, RankReport, is_peer_loss
+from launcher.protocol import HOST_LOST, STOP_NOTICE_SIGNAL, RankProgress, RankReport, is_peer_loss
 from launcher.records import AttemptRecord, Failure, FailureClass, FailureReason, HangDiagnosis, RunStatus, StageOutcome
 from launcher.stage.engine import HandleStatus, StageEngine, StageHandle
 from launcher.stage.logrouting import LogRouter
@@ -74,9 +74,11 @@ def run_stage(
     *,
     stop: StopRequest,
     events: RunEvents | None = None,
+    replace_hosts: Callable[[set[str]], str] | None = None,
 ) -> StageOutcome:
     """Run one stage to its end, restarting the group for the failures ``restart_on`` names, up
-    to ``max_restarts`` times; each restart's job resumes from the last complete checkpoint."""
+    to ``max_restarts`` times; each restart's job resumes from the last complete checkpoint.
+    ``replace_hosts``: before a restart for lost hosts, have ``make_plan`` use others (spares)."""
     events = events or RunEvents()
     attempt = port_retries = 0
     started, load_at_start = time.time(), load_average()
@@ -106,6 +108,9 @@ def run_stage(
             previous_error = error_signature(outcome.failure.root_cause)
         attempt += 1
         _archive_attempt(plan, f"attempt{attempt - 1}")
+        lost = {r.host for r in outcome.reports if r.error is not None and r.error.type == HOST_LOST}
+        if failure_class == FailureClass.HOST_LOST and lost and replace_hosts is not None and (said := replace_hosts(lost)):
+            events.message(said)
         saved = f"; the job resumes from the checkpoint of step {progress.checkpoint_step}, {progress.lost_steps} step(s) of work lost" if progress.checkpoint_step is not None else ""
         events.message(f"restarting the group ({decision.why}){saved}")
 
