@@ -76,5 +76,10 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_resumes_from_the_copy_
     assert sorted(r["host"] for r in result["ranks"]) == ["h2", "h3"]  # the restart ran on h2 and the spare
     assert {r["result"]["model_sha256"] for r in result["ranks"]} == baseline  # bit for bit, from h2's copy
     assert "step-000000024" in _checkpoints_on(netns_cluster, 2, out)  # the spare keeps copies from then on
+    # and the launching machine has the run's last checkpoint, copied from rank 0's host at the end
+    (run_dir,) = (out / "ddp_train").iterdir()
+    here = run_dir / "world2" / "checkpoints"
+    assert sorted(p.name for p in here.iterdir()) == ["step-000000024"], list(here.iterdir())
+    assert json.loads((here / "step-000000024" / "manifest.json").read_text())["step"] == 24
     left = netns_cluster.wait_clean(10)
     assert not left, netns_cluster.describe(left)

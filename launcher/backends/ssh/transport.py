@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -142,6 +143,37 @@ class SshTransport(Transport):
         links = current_links()
         missing = {n.node_rank: [r.rank for r in plan.ranks if r.node_rank == n.node_rank and r.rank not in logs.reported] for n in nodes}
         _parallel(lambda node: _fetch(plan, node, missing[node.node_rank], links.get(_host(node)), logs, timeout_s), [n for n in nodes if missing[n.node_rank]])
+        writer = next((n for n in nodes if n.node_rank == plan.ranks[0].node_rank), None)  # rank 0's host: it writes every checkpoint
+        if writer is not None and links.get(_host(writer)).lost() is None:
+            copy_latest_checkpoint(plan, links.get(_host(writer)), logs, writer.host)
+
+
+def copy_latest_checkpoint(plan: StagePlan, link: HostLink, logs: LogRouter, host: str) -> None:
+    """The newest complete checkpoint on rank 0's host, copied to the same path here (one tar
+    stream over the run's connection) unless this machine has it already (a shared filesystem):
+    the run's own copy, for ``launch resume`` or another run's ``params.resume``. Published with a
+    rename, as the ranks publish theirs."""
+    root = Path(plan.worker.checkpoint_dir)
+    have = {p.name for p in root.glob("step-*")} if root.is_dir() else set()
+    probe = subprocess.run(link.session_argv(["sh", "-c", f"cd {shlex.quote(str(root))} 2>/dev/null && ls -d step-* 2>/dev/null | sort | tail -n 1"]),
+                           capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S, check=False)  # fmt: skip
+    newest = probe.stdout.strip()
+    if probe.returncode != 0 or not newest or newest in have:
+        return
+    partial = root / f".partial-fetch-{os.getpid()}"
+    partial.mkdir(parents=True, exist_ok=True)
+    try:
+        with subprocess.Popen(link.session_argv(["tar", "-C", str(root), "-cf", "-", newest]), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as remote:
+            done = subprocess.run(["tar", "-xf", "-", "-C", str(partial)], stdin=remote.stdout, capture_output=True, check=False)
+            remote.wait(timeout=600)
+        if remote.returncode == 0 and done.returncode == 0 and (partial / newest / "manifest.json").is_file():
+            os.rename(partial / newest, root / newest)
+        else:
+            logs.route(f"gpulaunch: could not copy checkpoint {newest} from {host}: {done.stderr.decode(errors='replace').strip()[:200]}", host)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logs.route(f"gpulaunch: could not copy checkpoint {newest} from {host}: {exc}", host)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _host(node: NodeSlot) -> HostConfig:
