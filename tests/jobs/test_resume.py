@@ -118,11 +118,11 @@ def run_job_from(spec: Path, out: Path, *sets: str) -> Path:
     return run_dir
 
 
-def _wait_for_steps(out: Path, steps: int, timeout_s: float = 120) -> Path:
+def _wait_for_steps(out: Path, steps: int, timeout_s: float = 120, pattern: str = "ddp_train/*/world2/progress/rank0.json") -> Path:
     """Rank 0's beacon once it counted ``steps`` (the run is well under way)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for beacon in out.glob("ddp_train/*/world2/progress/rank0.json"):
+        for beacon in out.glob(pattern):
             try:
                 if json.loads(beacon.read_text()).get("steps", 0) >= steps:
                     return beacon
@@ -169,3 +169,35 @@ def test_a_sharded_checkpoint_saves_each_ranks_part_and_loads_resharded_at_anoth
             got = rank["result"]
             assert (got["loaded_step"], got["format"], got["saved_world_size"], got["step_value"]) == (7, "dcp", 2, 7), got
             assert got["equals_saved"] and got["rows_held"] == [rows, 6], (size, got)
+
+
+def test_the_readme_job_survives_a_stop_and_a_resume(tmp_path) -> None:
+    """The README's example, as written there: stopped by SIGTERM mid-run, it saves and returns;
+    `launch resume` continues it from that step to the end."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("```python\nimport torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n\ndef main(ctx):")
+    code = readme[start + len("```python\n") : readme.index("```", start + 10)]
+    (tmp_path / "my_job.py").write_text(code)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: my_job\nentrypoint: my_job:main\nmax_restarts: 3\nenv: {{PYTHONPATH: {tmp_path}}}\nresources: {{cpu_workers: 2}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs"), "--quiet"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        beacon = _wait_for_steps(tmp_path / "runs", 200, pattern="my_job/*/world2/progress/rank0.json")
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    run_dir = beacon.parents[2]
+    stopped = json.loads((run_dir / "result.json").read_text())
+    if stopped["status"] == "succeeded":
+        pytest.skip("the run ended before the stop (a very fast machine): nothing to resume")
+    assert proc.returncode == 130 and stopped["failure"]["failure_class"] == "preempted", out
+    at = {r["result"]["stopped_at"] for r in stopped["ranks"]}
+    assert len(at) == 1, at  # every rank stopped at the same step
+    done = launch("resume", str(run_dir), "--quiet")
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = json.loads((run_dir / "result.json").read_text())
+    assert {r["result"]["started_at"] for r in resumed["ranks"]} == at
