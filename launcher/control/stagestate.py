@@ -145,7 +145,8 @@ class StageState:
                                   work_mad_s=beacon.work_mad_s, work_n=beacon.work_n))
         live = tuple(ranks)
         elapsed = (now or time.time()) - self.started_at
-        return StageProgress(self.plan.world_size, elapsed, live, self.restarts, count_phases(live))
+        resumed = [b.resumed_step for b in self.beacons.values() if b.resumed_step is not None]
+        return StageProgress(self.plan.world_size, elapsed, live, self.restarts, count_phases(live), max(resumed) if resumed else None)
 
     def final_reports(self, secrets: tuple[str, ...] = ()) -> list[RankReport]:
         """Every rank's report, secrets masked; a rank that wrote none is ``stopped``, with the

@@ -42,6 +42,7 @@ class StageProgress:
     ranks: tuple[RankLive, ...]
     restarts: int = 0
     phases: Mapping[str, int] = field(default_factory=dict)  # phase -> how many ranks are in it
+    resumed_step: int | None = None  # the checkpoint step this attempt's job resumed from
 
     @property
     def steps_min(self) -> int:

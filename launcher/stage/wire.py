@@ -55,7 +55,7 @@ def progress_payload(progress: StageProgress) -> dict[str, Any]:
         for r in progress.ranks
     ]
     return {"world_size": progress.world_size, "elapsed_s": round(progress.elapsed_s, 2), "restarts": progress.restarts,
-            "hosts": list(hosts), "ranks": ranks}  # fmt: skip
+            "hosts": list(hosts), "ranks": ranks, "resumed_step": progress.resumed_step}  # fmt: skip
 
 
 def progress_of(data: dict[str, Any]) -> StageProgress:
@@ -64,7 +64,9 @@ def progress_of(data: dict[str, Any]) -> StageProgress:
         RankLive(int(rank), hosts[host], str(phase), int(steps), _float(beacon_t), _float(work_s), bool(straggler))
         for rank, host, phase, steps, beacon_t, work_s, straggler in data["ranks"]
     )
-    return StageProgress(int(data["world_size"]), float(data["elapsed_s"]), ranks, int(data["restarts"]), count_phases(ranks))
+    resumed = data.get("resumed_step")
+    return StageProgress(int(data["world_size"]), float(data["elapsed_s"]), ranks, int(data["restarts"]), count_phases(ranks),
+                         int(resumed) if isinstance(resumed, int) else None)  # fmt: skip
 
 
 def _rounded(value: float | None, digits: int) -> float | None:

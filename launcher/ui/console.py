@@ -419,7 +419,10 @@ class RunUI(RunEvents):
         steps = high if low == high else f"{low}-{high}"
         slow = [str(r.rank) for r in progress.ranks if r.straggler]
         flagged = f" · straggler: rank {', '.join(slow)}" if slow else ""
-        self._live.update(Text(f"  world {progress.world_size} · {phases} · steps {steps}{flagged} · {progress.elapsed_s:.1f}s", style="dim"))
+        attempt = f" · attempt {progress.restarts + 1}" if progress.restarts else ""
+        resumed = f" · from step {progress.resumed_step}" if progress.resumed_step is not None else ""
+        line = f"  world {progress.world_size}{attempt}{resumed} · {phases} · steps {steps}{flagged} · {progress.elapsed_s:.1f}s"
+        self._live.update(Text(line, style="dim"))
 
     def stage_finished(self) -> None:
         if self._live is not None:

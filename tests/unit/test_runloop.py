@@ -521,7 +521,7 @@ def test_run_job_hands_the_callers_stop_request_to_the_run_loop(tmp_path: Path, 
 
     seen: list[StopRequest] = []
 
-    def run_stages(loaded, engine, nodes, sizing, run_dir, stop, events):  # noqa: ANN001, ANN202
+    def run_stages(loaded, engine, pool, sizing, run_dir, stop, events, *, kept=None):  # noqa: ANN001, ANN202
         seen.append(stop)
         raise Reached
 

@@ -22,7 +22,7 @@ def _progress(steps: tuple[int, ...], elapsed_s: float = 12.345, straggler: int 
         RankLive(k, hosts[k % 3], "running", n, 1_700_000_000.1234 + k, 0.0123456789 if k else None, k == straggler)
         for k, n in enumerate(steps)
     )
-    return StageProgress(len(steps), elapsed_s, ranks, restarts=1, phases={"running": len(steps)})
+    return StageProgress(len(steps), elapsed_s, ranks, restarts=1, phases={"running": len(steps)}, resumed_step=40)
 
 
 class Recorder(RunEvents):
@@ -134,4 +134,4 @@ def test_the_console_shows_the_live_line_on_a_terminal_only() -> None:
         shown = str(tty._live.get_renderable())
     finally:
         tty.stage_finished()
-    assert shown == "  world 3 · 3 running · steps 5-7 · straggler: rank 1 · 12.3s"
+    assert shown == "  world 3 · attempt 2 · from step 40 · 3 running · steps 5-7 · straggler: rank 1 · 12.3s"
