@@ -70,6 +70,15 @@ def notify_stop(reason: str) -> None:
         notice.notify(reason)
 
 
+def notify_watching_jobs(reason: str) -> bool:
+    """Tell this process's jobs that watch ``ctx.should_stop`` and were not told yet; whether
+    there was one (a Ray actor's SIGTERM handler: otherwise Ray's own handles it)."""
+    watching = [n for n in _NOTICES if n.watched and n.seconds_left is None]
+    for notice in watching:
+        notice.notify(reason)
+    return bool(watching)
+
+
 def listen_for_stop_notice() -> None:
     """From the rank's first moment, the launcher's notice is taken (never SIGUSR2's default,
     which ends the process); only the main thread can install it."""

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -29,7 +28,7 @@ import ray
 from launcher import metric_names as names
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, STOP_NOTICE_SIGNAL, RankReport, WorkerConfig, rank_device
-from launcher.runtime.checkpoint import notify_stop
+from launcher.runtime.checkpoint import notify_stop, notify_watching_jobs
 from launcher.runtime.devices import usable_cpu_count
 
 
@@ -133,6 +132,24 @@ class RankActor:
         self.stage_dir: str | None = None  # where its files are on this node (a hang's evidence is gathered there)
         # the launcher's stack dump on a hang (RayStage.signal_ranks), as in a torchrun rank
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        # A SIGTERM to this process (its node going away, a scheduler's signal) is the job's stop
+        # notice, as in a torchrun rank. The job runs in one of the actor's threads, where its own
+        # handler (StopNotice) cannot be installed; the constructor runs in the main thread.
+        self._ray_sigterm = signal.getsignal(signal.SIGTERM)
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """A job that reads ``ctx.should_stop`` and was not told yet: told now (it saves and
+        returns). Else Ray's own handler, as before (a SystemExit in the main thread: the worker
+        exits, though the rank's thread runs on to its end)."""
+        if notify_watching_jobs("SIGTERM"):
+            return
+        if callable(self._ray_sigterm):
+            self._ray_sigterm(signum, frame)
+        elif self._ray_sigterm != signal.SIG_IGN:  # no handler of Ray's: the default, end now
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def probe(self, want_port: bool) -> dict[str, Any]:
         ip = ray.util.get_node_ip_address()
@@ -174,10 +191,8 @@ class RankActor:
 
         config = WorkerConfig.from_json(config_json)
         if not same_node:  # the launcher's stage dir is not here: keep files local, return the report
-            stage_dir = tempfile.mkdtemp(prefix="gpulaunch-")
-            # checkpoints outlive the attempt: a restart on this node finds them at the same path
-            kept = config.checkpoint_dir or str(Path(tempfile.gettempdir()) / "gpulaunch-checkpoints" / config.job / config.run_id / Path(config.stage_dir).name)
-            config = dataclasses.replace(config, stage_dir=stage_dir, checkpoint_dir=kept)
+            # (its checkpoints stay at the plan's path, made on this node: a restart here finds them)
+            config = dataclasses.replace(config, stage_dir=tempfile.mkdtemp(prefix="gpulaunch-"))
         self.beacon_path = str(config.paths.progress(self.rank))
         self.stage_dir = config.stage_dir
         os.environ.update(env)

@@ -161,7 +161,9 @@ def ray_cluster(head_cpus: int = 4, worker_cpus: tuple[int, ...] = ()) -> Iterat
     several nodes keeps Ray's default: its servers listen on every interface, token auth on)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="gplray-", dir="/tmp"))  # short: unix socket paths
     env = {
-        **os.environ,
+        # not what a connected ``RayDriver`` put in this process's environment (RAY_ADDRESS, the
+        # loopback-only flag, which makes the other nodes of a cluster refuse to start)
+        **{k: v for k, v in os.environ.items() if k not in _DRIVER_ENV},
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": secrets.token_hex(16),
         "RAY_TMPDIR": str(temp_dir),
