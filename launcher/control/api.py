@@ -285,6 +285,14 @@ def resume_run(
     as it was launched (spec, overrides, backend, cluster file); its unfinished stages' jobs load
     their last checkpoints. Refuses a spec that changed since the run."""
     folder = Path(run_dir).resolve()
+    from launcher.backends.slurm.script import RECORD_FILE
+
+    if (folder / RECORD_FILE).is_file():  # the launcher inside its Slurm job wrote launch.json: not a run of this machine's
+        raise LauncherError(
+            f"launch resume {folder}: a Slurm run; Slurm continues it: its job requeues itself after a preemption warning, "
+            f"or `scontrol requeue JOBID` while Slurm remembers the job, or `sbatch {folder / 'job.sbatch'}`",
+            exit_code=EXIT_BAD_INPUT,
+        )
     record = LaunchRecord.read(folder)
     loaded = load_job(record.spec, list(record.overrides))
     check_unchanged(loaded, record, folder)

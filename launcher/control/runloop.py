@@ -25,7 +25,7 @@ from launcher.control.stragglers import StragglerWatch
 from launcher.masking import scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import HOST_LOST, STOP_NOTICE_SIGNAL, RankProgress, RankReport, is_peer_loss
-from launcher.records import AttemptRecord, Failure, FailureClass, FailureReason, HangDiagnosis, RunStatus, StageOutcome
+from launcher.records import AttemptRecord, BackendName, Failure, FailureClass, FailureReason, HangDiagnosis, RunStatus, StageOutcome
 from launcher.stage.engine import HandleStatus, StageEngine, StageHandle
 from launcher.stage.logrouting import LogRouter
 from launcher.stage.plan import StagePlan
@@ -182,7 +182,8 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
 def _preempted(reason: str, progress: AttemptProgress, plan: StagePlan) -> Failure:
     """A stop the job was told of first: where it got to, and how to go on."""
     saved = f"its last checkpoint is step {progress.checkpoint_step}" if progress.checkpoint_step is not None else "it saved no checkpoint"
-    summary = f"stopped after a notice ({reason}): {saved}; continue with: launch resume {plan.stage_dir.parent}"
+    then = "its Slurm job requeues itself when it saved progress" if plan.backend == BackendName.SLURM else f"continue with: launch resume {plan.stage_dir.parent}"
+    summary = f"stopped after a notice ({reason}): {saved}; {then}"
     return Failure(FailureReason.INTERRUPTED, summary, failure_class=FailureClass.PREEMPTED)
 
 

@@ -6,17 +6,23 @@ On the cluster this module runs the same ``run_job`` with the engine connected t
 and every event of the run goes into the job's output over the remote-run wire
 (``launcher.stage.wire``: rank lines, and every rank's progress as tagged lines) for the launch
 that submitted it. A Ray job then sends its run directory back as a bundle in its log's last lines.
+
+A Slurm job that Slurm started again (requeued: its warning before the time limit, preemption, a
+lost node, ``scontrol requeue``) resumes its run in the same run directory: the stages that
+succeeded are kept, the unfinished one's job loads its last checkpoint. Interrupted with progress
+saved, the launcher exits EXIT_RESUMABLE, which the batch script reads (and turns into 130).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
-from launcher.errors import EXIT_BAD_INPUT, LauncherError
+from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, LauncherError
 
 # what the launcher needs on the cluster, checked before anything else is imported there
 NEEDED = ("yaml", "pydantic", "rich", "matplotlib", "psutil", "prometheus_client", "torch")
@@ -75,22 +81,68 @@ def inside_ray(spec: str, run_id: str | None = None) -> int:
 
 def inside_slurm(run_dir: str) -> int:
     """Run the launcher inside this Slurm batch job, into the run directory the submitting
-    launcher made on the shared filesystem (it follows the job's output and that directory)."""
+    launcher made on the shared filesystem (it follows the job's output and that directory). A
+    job Slurm started again (``SLURM_RESTART_COUNT``), or a run directory whose last result is
+    interrupted, resumes the run there."""
     lacking = _lacking(())
     if lacking is not None:
         return lacking
-    from launcher.backends.slurm.script import SPEC_FILE
+    from launcher.backends.slurm.script import EXIT_RESUMABLE, SPEC_FILE
     from launcher.control.api import run_job
+    from launcher.procutil import read_json
+    from launcher.records import RunStatus
+    from launcher.results.store import RESULT_FILE
     from launcher.spec.model import load_job
     from launcher.stage.wire import WireEvents
 
+    folder = Path(run_dir)
+    restarts = restart_count(os.environ)
+    last = read_json(folder / RESULT_FILE)
+    last = last if isinstance(last, dict) else None
+    resume = restarts > 0 or (last is not None and last.get("status") == RunStatus.INTERRUPTED.value)
+    events = WireEvents()
     try:
-        job = load_job(Path(run_dir) / SPEC_FILE)
-        return run_job(job, backend="slurm", run_dir=run_dir, events=WireEvents(), metrics=False).exit_code
+        job = load_job(folder / SPEC_FILE)
+        if resume:
+            again = f"Slurm started job {os.environ.get('SLURM_JOB_ID', '?')} again (restart {restarts})" if restarts else "run again"
+            events.message(f"{again}: resuming the run in {folder} (its finished stages kept, the others from their last checkpoints)")
+        result = run_job(job, backend="slurm", run_dir=run_dir, events=events, metrics=False, resume=resume)
     except LauncherError as exc:
         for line in str(exc).splitlines() or ["failed"]:
             print(f"error: {line}", file=sys.stderr, flush=True)
         return exc.exit_code
+    if result.exit_code == EXIT_INTERRUPTED and saved_progress(last if resume else None, result.data):
+        return EXIT_RESUMABLE
+    return result.exit_code
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How many times Slurm has started this job again (0 on its first run)."""
+    value = env.get("SLURM_RESTART_COUNT", "")
+    return int(value) if value.isdigit() else 0
+
+
+def saved_progress(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> bool:
+    """Whether an interrupted run moved on in this allocation, so that a requeue continues it
+    rather than starting the same work over (and over): another stage succeeded, or the stage it
+    stopped in has a complete checkpoint newer than the one it started from. ``before``: the
+    run's last result when this allocation began (None: a fresh run)."""
+    if after.get("status") != "interrupted":
+        return False
+
+    def succeeded(result: Mapping[str, Any] | None) -> int:
+        return sum(1 for stage in (result or {}).get("stages") or [] if stage.get("status") == "succeeded")
+
+    if succeeded(after) > succeeded(before):
+        return True
+    stages = after.get("stages") or []
+    if not stages or stages[-1].get("status") == "succeeded":
+        return False
+    attempts = stages[-1].get("attempts") or []
+    if not attempts:
+        return False
+    started, saved = attempts[0].get("resumed_step"), attempts[-1].get("checkpoint_step")
+    return saved is not None and (started is None or saved > started)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -152,7 +152,7 @@ _SBATCH_OWNED = {
     "cpus-per-task": "slurm.cpus_per_task", "partition": "slurm.partition", "account": "slurm.account",
     "qos": "slurm.qos", "time": "slurm.time", "constraint": "slurm.constraint", "job-name": "name",
     "output": None, "error": None, "chdir": None, "requeue": None, "array": None, "wrap": None,
-    "parsable": None, "wait": None,
+    "parsable": None, "wait": None, "signal": "preemption.grace_s", "no-requeue": None, "open-mode": None,
 }  # fmt: skip
 SlurmWord = Annotated[str, StringConstraints(pattern=SLURM_WORD, max_length=1024)]
 
@@ -173,7 +173,8 @@ class SlurmSettings(_Frozen):
     partition: SlurmWord | None = None  # default: the cluster's default partition
     account: SlurmWord | None = None
     qos: SlurmWord | None = None
-    # default: every stage's timeouts.rendezvous_s + run_s, plus a minute, rounded up to minutes
+    # default: every stage's timeouts.rendezvous_s + run_s, plus a minute and the preemption
+    # warning's lead (preemption.grace_s + 30 s), rounded up to minutes
     time: Annotated[str, StringConstraints(pattern=SLURM_TIME)] | None = None
     constraint: SlurmWord | None = None
     # CPUs per node (one task per node runs its torchrun agent and ranks); default: one per rank

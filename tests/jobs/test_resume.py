@@ -100,7 +100,7 @@ def test_sigterm_saves_at_the_next_step_and_launch_resume_finishes_the_same_run(
 def test_resume_refuses_a_spec_that_changed_and_a_directory_that_is_no_run(tmp_path) -> None:
     spec = tmp_path / "job.yaml"
     spec.write_text((REPO / "jobs" / "ddp_train.yaml").read_text())
-    run = run_job_from(spec, tmp_path / "runs", *EPOCHS[:1], "scaling.workers=[1]", *TINY_TRAIN, "params.epochs=1")
+    run = run_job_from(spec, tmp_path / "runs", "scaling.workers=[1]", *TINY_TRAIN, "params.epochs=1")
     spec.write_text(spec.read_text().replace("lr: 0.002", "lr: 0.003"))
     t0 = time.monotonic()
     changed = launch("resume", str(run))
@@ -108,6 +108,9 @@ def test_resume_refuses_a_spec_that_changed_and_a_directory_that_is_no_run(tmp_p
     assert "Traceback" not in changed.stderr and time.monotonic() - t0 < 30
     nothing = launch("resume", str(tmp_path))
     assert nothing.returncode == 2 and f"launch resume {tmp_path}: no readable launch.json there" in nothing.stderr
+    (run / "slurm.json").write_text("{}")  # what a Slurm run's directory holds: Slurm continues it, not this machine
+    slurm = launch("resume", str(run))
+    assert slurm.returncode == 2 and slurm.stderr.startswith(f"error: launch resume {run}: a Slurm run; Slurm continues it"), slurm.stderr
 
 
 def run_job_from(spec: Path, out: Path, *sets: str) -> Path:

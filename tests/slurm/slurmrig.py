@@ -36,6 +36,10 @@ Slurm behaviour worth knowing when writing tests against a rig (Slurm 22.05, def
     (its jobs NODE_FAIL, or requeued unless ``--no-requeue``) after about 3 x SlurmdTimeout.
   * A job larger than the partition is accepted and stays pending (EnforcePartLimits=NO); a GRES
     request no node can hold is refused at submission.
+  * A requeued job (``scontrol requeue``, a lost node, preemption) pends with reason BeginTime for
+    cred_expire + 1 s (``cred_expire``: 120 s by default), then waits for a scheduling pass
+    (``sched_interval``: 60 s by default, backfill every 30 s). Its output file is truncated
+    unless the job asked for ``--open-mode=append``; ``SLURM_RESTART_COUNT`` counts the requeues.
 """
 
 from __future__ import annotations
@@ -255,6 +259,8 @@ class SlurmRig:
         slurmd_timeout: int = 5,
         kill_wait: int = 2,
         min_job_age: int = 5,
+        cred_expire: int | None = None,
+        sched_interval: int | None = None,
         start_timeout_s: float = 30.0,
     ) -> None:
         if not 1 <= nodes <= 13:
@@ -270,6 +276,8 @@ class SlurmRig:
         self.slurmd_timeout = slurmd_timeout
         self.kill_wait = kill_wait
         self.min_job_age = min_job_age
+        self.cred_expire = cred_expire
+        self.sched_interval = sched_interval
         self.start_timeout_s = start_timeout_s
         base = 16 * self.slot
         self.controller_host = socket.gethostname().split(".")[0]
@@ -557,7 +565,7 @@ class SlurmRig:
             "SlurmdPort=6818",  # each slurmd has its own namespace
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            f"AuthInfo=socket={self.munge_socket}" + (f",cred_expire={self.cred_expire}" if self.cred_expire else ""),
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={w}/state",
@@ -575,7 +583,7 @@ class SlurmRig:
             "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/backfill",
             # Batch jobs start at once, not after the default 3 s batch_sched_delay.
-            "SchedulerParameters=batch_sched_delay=0",
+            "SchedulerParameters=batch_sched_delay=0" + (f",sched_interval={self.sched_interval},bf_interval={self.sched_interval}" if self.sched_interval else ""),
             "MpiDefault=none",
             "SwitchType=switch/none",
             "AccountingStorageType=accounting_storage/none",

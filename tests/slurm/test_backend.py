@@ -2,7 +2,7 @@
 network namespaces), run through ``launch`` as a user runs it: 1 and 2 nodes, scaling stages in
 one allocation, a failing rank, a lost node (its slurmd and everything on it killed), Ctrl-C and
 ``launch stop`` (the job CANCELLED in Slurm's own record, as a finished one is COMPLETED and a
-failed one FAILED), ``--detach`` with ``launch status|logs|stop``, a job left pending, requests the
+failed one FAILED, never requeued, though the script asks for ``--requeue``), ``--detach`` with ``launch status|logs|stop``, a job left pending, requests the
 partition can never hold, the dry run, and a GPU (GRES) request.
 
 Every ``launch`` a test starts is ended by pid, every job it submitted is cancelled by id, and
@@ -342,6 +342,9 @@ def test_requests_the_partition_can_never_hold_are_refused_before_submitting(slu
         "resources.cpu_workers=3": "resources.cpu_workers (one CPU per rank): 3 CPU(s) per node on 2 node(s) requested, but " + has,
         "slurm.partition=gpu": "slurm.partition: no partition 'gpu' on this cluster (partitions: debug); nothing was submitted",
         "slurm.extra_sbatch=[--nodes=4]": "slurm.extra_sbatch.0: --nodes is written by the launcher (set resources.nodes instead)",
+        # Slurm's warning comes preemption.grace_s (60) + 30 s before the time limit, up to a minute sooner
+        "slurm.time='0:02:30'": "slurm.time: 0:02:30 leaves no time to run: Slurm's warning to save and be requeued comes preemption.grace_s + 30 s "
+                        "= 90 s before the time limit (up to 60 s sooner); set slurm.time to 0:03:00 or more",
     }
     for override, message in cases.items():
         done = cli(rig, spec, "--set", override, "--out", str(tmp_path / "runs"))
@@ -357,7 +360,8 @@ def test_dry_run_prints_the_sbatch_script_and_each_nodes_srun_line(slurm_rig: Sl
     run_dir = tmp_path.resolve() / "runs" / "dry" / "<run-id>"
     for line in (
         f"$ sbatch --parsable {run_dir}/job.sbatch", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=1",
-        "#SBATCH --partition=debug", "#SBATCH --qos=normal", "#SBATCH --time=0:12:00", f"#SBATCH --output={run_dir}/slurm-%j.out",
+        "#SBATCH --partition=debug", "#SBATCH --qos=normal", "#SBATCH --time=0:14:00", f"#SBATCH --output={run_dir}/slurm-%j.out",
+        "#SBATCH --requeue", "#SBATCH --signal=B:USR1@90", "#SBATCH --open-mode=append",  # preemption: warned, saved, requeued
         "#SBATCH --mem=0", f"{sys.executable} -m launcher.control.submitted slurm '{run_dir}' &",
     ):  # fmt: skip
         assert line in out, (line, out)

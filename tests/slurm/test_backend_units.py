@@ -14,11 +14,18 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from launcher.backends.slurm import commands
 from launcher.backends.slurm.commands import Partition, SlurmNode
+from launcher.backends.slurm import script as slurm_script
+from launcher.backends.slurm.jobs import OutputTail
 from launcher.backends.slurm.script import allocation_for, batch_body, sbatch_script
+from launcher.backends.slurm.submit import SlurmRun
+from launcher.control.submitted import restart_count, saved_progress
+from launcher.stage.watch import RunEvents
+from launcher.stage.wire import WireReader
 from launcher.backends.slurm.outcome import explain_end
 from launcher.errors import PlanError, SpecError
 from launcher.records import FailureReason
@@ -52,7 +59,8 @@ def test_slurm_output_is_parsed():
 
 def test_the_allocation_one_task_per_node_sized_for_the_largest_stage(tmp_path):
     alloc = allocation_for(job(tmp_path, "scaling: {workers: [2, 4]}\n"), DEBUG)
-    assert (alloc.nodes, alloc.gpus_per_node, alloc.cpus_per_task, alloc.time) == (2, 0, 2, "0:23:00")  # 2 x (60 + 600) + 60 s
+    # 2 x (60 + 600) + 60 s, and Slurm's warning: preemption.grace_s (60) + 30 s
+    assert (alloc.nodes, alloc.gpus_per_node, alloc.cpus_per_task, alloc.time) == (2, 0, 2, "0:25:00")
     gpus = allocation_for(job(tmp_path, "slurm: {partition: gpu, cpus_per_task: 16, time: '2:00:00'}\n"), GPU)
     assert (gpus.gpus_per_node, gpus.cpus_per_task, gpus.time) == (2, 16, "2:00:00")  # auto: the fewest any node has
     cpu = allocation_for(job(tmp_path, resources="{nodes: 2, device: cpu, cpu_workers: auto}"), GPU)
@@ -89,16 +97,37 @@ def test_the_sbatch_script(tmp_path):
     assert sbatch == [
         "#SBATCH --job-name=tiny", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=2",
         "#SBATCH --gpus-per-node=2", "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high",
-        "#SBATCH --time=0:12:00", "#SBATCH --constraint=a100&ib", "#SBATCH --output=/shared/runs/tiny/r1/slurm-%j.out",
-        "#SBATCH --chdir=/shared/proj", "#SBATCH --export=ALL", "#SBATCH --no-requeue", "#SBATCH --mem=64G", "#SBATCH --exclusive",
+        "#SBATCH --time=0:14:00", "#SBATCH --constraint=a100&ib", "#SBATCH --output=/shared/runs/tiny/r1/slurm-%j.out",
+        "#SBATCH --chdir=/shared/proj", "#SBATCH --export=ALL", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@90",
+        "#SBATCH --open-mode=append", "#SBATCH --mem=64G", "#SBATCH --exclusive",
     ]  # fmt: skip
     assert lines[0] == "#!/bin/bash" and "/opt/venv/bin/python -m launcher.control.submitted slurm /shared/runs/tiny/r1 &" in lines
-    assert lines.index("export GPULAUNCH_SLURM_INSIDE=1") < lines.index("trap '' USR2") and lines[-1] == 'exit "$code"'
+    assert lines.index("export GPULAUNCH_SLURM_INSIDE=1") < lines.index("trap '' USR2 USR1") and lines[-1] == 'exit "$code"'
+    # a one-minute grace: the warning 90 s before the time limit (Slurm may send it a minute sooner)
+    graced = job(tmp_path, "preemption: {grace_s: 59.5}\nslurm: {time: '0:10:00'}\n")
+    assert "#SBATCH --signal=B:USR1@90\n" in sbatch_script(graced, allocation_for(graced, DEBUG), Path("/r"), python="p", cwd=Path("/"))
+
+
+def test_a_time_limit_within_the_warnings_reach_is_refused(tmp_path):
+    """A time limit the warning (grace + 30 s, up to 60 s sooner) would reach at the start would
+    have the job warned, stopped and requeued as soon as it starts."""
+    for limit, grace, refused in (("2", 60, True), ("2:31", 60, False), ("0:02:30", 60, True), ("1", 1, True), ("2", 1, False)):
+        loaded = job(tmp_path, f"preemption: {{grace_s: {grace}}}\nslurm: {{time: '{limit}'}}\n")
+        if refused:
+            with pytest.raises(PlanError) as info:
+                allocation_for(loaded, None)
+            assert f"slurm.time: {limit} leaves no time to run" in str(info.value) and str(info.value).endswith("nothing was submitted")
+        else:
+            assert allocation_for(loaded, DEBUG).time == limit
+    assert [commands.limit_seconds(t) for t in ("90", "2:30", "1:02:03", "1-2", "1-0:30", "1-0:0:5", "INFINITE")] == [
+        5400, 150, 3723, 93_600, 88_200, 86_405, None,
+    ]
 
 
 # A stand-in for the launcher inside: says it is ready, then exits as MODE says; "stop" stops the
-# run on SIGTERM (exit 130, as the launcher does once its result is written) and notes each
-# SIGTERM it gets; "bare" has no handler (a stop before the launcher set its own: it dies of it).
+# run on SIGTERM (exit 130, as the launcher does once its result is written), "save" too but with
+# its progress saved (EXIT_RESUMABLE), and each notes every SIGTERM it gets; "bare" has no handler
+# (a stop before the launcher set its own: it dies of it).
 FAKE_LAUNCHER = """\
 import os, signal, sys, time
 mode, notes = sys.argv[1], sys.argv[2]
@@ -108,7 +137,7 @@ def note(what):
 def on_term(signum, frame):
     note("TERM")
     time.sleep(0.3)  # stopping its steps, writing its result: a second signal would come now
-    sys.exit(130)
+    sys.exit(75 if mode == "save" else 130)
 if mode != "bare":
     signal.signal(signal.SIGTERM, on_term)
 with open(notes + ".pid", "w") as f:
@@ -120,50 +149,165 @@ time.sleep(30)
 sys.exit(3)
 """
 
+CANCELLED, REQUEUED = "scancel --quiet 4242", "scontrol requeue 4242"
+
 
 @pytest.mark.parametrize(
-    "mode, signals, code, cancelled",
+    "mode, signals, code, asked",
     [
-        ("0", "", 0, False),  # finished: COMPLETED
-        ("1", "", 1, False),  # failed: FAILED
-        ("stop", "USR2 USR2", 130, True),  # launch stops it (twice: Ctrl-C, then launch stop): one SIGTERM
-        ("stop", "TERM", 130, True),  # Slurm's own SIGTERM (time limit, scancel): the launcher's, not handed on
-        ("bare", "USR2", 143, True),  # stopped before the launcher set its handler: cancelled all the same
+        ("0", "", 0, []),  # finished: COMPLETED
+        ("1", "", 1, []),  # failed: FAILED
+        ("stop", "USR2 USR2", 130, [CANCELLED]),  # launch stops it (twice: Ctrl-C, then launch stop): one SIGTERM
+        ("save", "USR2", 130, [CANCELLED]),  # stopped with its progress saved: cancelled all the same
+        # Slurm's own SIGTERM (time limit, scancel, scontrol requeue, preemption): the launcher's,
+        # not handed on, and the job's end is Slurm's: never cancelled (a requeued job would be) nor requeued
+        ("stop", "TERM", 130, []),
+        ("save", "TERM", 130, []),
+        ("bare", "USR2", 143, [CANCELLED]),  # stopped before the launcher set its handler: cancelled all the same
+        ("save", "USR1", 130, [REQUEUED]),  # Slurm's warning, progress saved: requeued, to resume
+        ("save", "USR1 USR2", 130, [CANCELLED]),  # a stop during the warning's grace wins: cancelled
+        ("save", "USR1 USR1", 130, [REQUEUED]),  # the warning again: one SIGTERM, one requeue
+        ("stop", "USR1", 130, [CANCELLED]),  # warned, nothing saved: not requeued; Slurm's end did not come: cancelled
+        ("stop", "USR1 wait TERM", -signal.SIGTERM, []),  # ... Slurm's end came (the time limit): the shell goes with it
     ],
 )
-def test_the_batch_script_ends_the_job_as_the_launcher_inside_did(tmp_path, mode, signals, code, cancelled):
-    """The batch script's body, run by bash with a stand-in launcher and a stand-in scancel: a
+def test_the_batch_script_ends_the_job_as_the_launcher_inside_did(tmp_path, monkeypatch, mode, signals, code, asked):
+    """The batch script's body, run by bash with a stand-in launcher, scancel and scontrol: a
     stopped run (SIGUSR2 to the shell, from launch) has its launcher get one SIGTERM and, once it
-    exits 130, the job cancelled from inside (Slurm then records CANCELLED); Slurm's SIGTERM to
-    the whole batch step reaches the launcher once, the shell stays; 0 and 1 are passed on alone."""
+    exits 130, the job cancelled from inside (Slurm then records CANCELLED); Slurm's warning
+    (SIGUSR1 to the shell) has it get one SIGTERM and, once it exits with its progress saved,
+    the job requeued; a warned run that saved nothing waits for Slurm's own end (here it never
+    comes: cancelled after the warning's lead); Slurm's SIGTERM to the whole batch step reaches
+    the launcher once, the shell stays; 0 and 1 are passed on alone."""
+    monkeypatch.setattr(slurm_script, "SIGNAL_EARLY_S", 0)  # the wait for Slurm's end: warn_s alone
     (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "scancel").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "scancel.args"}\n')
-    (tmp_path / "bin" / "scancel").chmod(0o755)
+    for command in ("scancel", "scontrol"):
+        (tmp_path / "bin" / command).write_text(f'#!/bin/sh\necho "{command} $*" >> {tmp_path / "asked"}\n')
+        (tmp_path / "bin" / command).chmod(0o755)
     notes = tmp_path / "notes"
     script = tmp_path / "job.sbatch"
-    script.write_text("\n".join(["#!/bin/bash", *batch_body([sys.executable, str(tmp_path / "launcher.py"), mode, str(notes)])]) + "\n")
+    body = batch_body([sys.executable, str(tmp_path / "launcher.py"), mode, str(notes)], 1)
+    script.write_text("\n".join(["#!/bin/bash", *body]) + "\n")
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
-    shell = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True)
+    shell = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
         while "ready" not in (notes.read_text() if notes.exists() else "") and time.monotonic() < deadline:
             time.sleep(0.02)
         launcher = int((tmp_path / "notes.pid").read_text())
         for name in signals.split():
+            if name == "wait":  # the launcher has ended meanwhile
+                time.sleep(0.6)
+                continue
             sig = getattr(signal, f"SIG{name}")
             os.kill(shell.pid, sig)
-            if name == "TERM":  # Slurm signals every process of the batch step
+            if name == "TERM" and psutil.pid_exists(launcher):  # Slurm signals every process of the batch step
                 os.kill(launcher, sig)
             time.sleep(0.05)
         assert shell.wait(20) == code
+        said = shell.stdout.read() if shell.stdout else ""
     finally:
         if shell.poll() is None:
             os.killpg(shell.pid, signal.SIGKILL)
             shell.wait()
-    assert notes.read_text().split() == ["ready", *(["TERM"] if mode == "stop" else [])]
-    asked = tmp_path / "scancel.args"
-    assert (asked.read_text() if asked.exists() else None) == ("--quiet 4242\n" if cancelled else None)
+    assert notes.read_text().split() == ["ready", *(["TERM"] if mode in ("stop", "save") and signals else [])]
+    done = tmp_path / "asked"
+    assert (done.read_text().splitlines() if done.exists() else []) == asked
+    if "USR1" in signals:
+        assert "gpulaunch: SIGUSR1 from Slurm (time limit in 1 s, or preemption)" in said, said
+    if asked == [REQUEUED]:
+        assert "gpulaunch: Slurm job 4242 requeued: the next allocation resumes the run" in said, said
+    elif mode == "stop" and signals == "USR1":
+        assert "saved no progress since this allocation began: not requeued" in said, said
+
+
+def test_a_requeue_that_fails_cancels_the_job(tmp_path):
+    """A job Slurm will not requeue (an extra --no-requeue, a site's policy): cancelled, not FAILED."""
+    (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\necho 'scontrol: error: Requested operation is presently disabled' >&2\nexit 1\n")
+    (tmp_path / "bin" / "scancel").write_text(f'#!/bin/sh\necho "scancel $*" >> {tmp_path / "asked"}\n')
+    for command in ("scontrol", "scancel"):
+        (tmp_path / "bin" / command).chmod(0o755)
+    notes = tmp_path / "notes"
+    script = tmp_path / "job.sbatch"
+    script.write_text("\n".join(["#!/bin/bash", *batch_body([sys.executable, str(tmp_path / "launcher.py"), "save", str(notes)], 1)]) + "\n")
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    shell = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while "ready" not in (notes.read_text() if notes.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(shell.pid, signal.SIGUSR1)
+        assert shell.wait(20) == 130
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+    assert (tmp_path / "asked").read_text() == "scancel --quiet 4242\n"
+    assert "could not be requeued: cancelled" in (shell.stdout.read() if shell.stdout else "")
+
+
+def _result(*stages: tuple[str, list[tuple[int | None, int | None]]], status: str = "interrupted") -> dict:
+    """A result.json's shape: each stage's status and its attempts' (resumed_step, checkpoint_step)."""
+    return {"status": status, "stages": [{"status": st, "attempts": [{"resumed_step": r, "checkpoint_step": c} for r, c in attempts]}
+                                         for st, attempts in stages]}  # fmt: skip
+
+
+def test_a_warned_run_is_requeued_only_with_progress_saved_in_this_allocation():
+    """Requeued, a run continues from where this allocation left it; one that saved nothing new
+    would start the same work over, allocation after allocation: it is not requeued."""
+    assert saved_progress(None, _result(("interrupted", [(None, 8)])))  # a fresh run's first checkpoint
+    assert not saved_progress(None, _result(("interrupted", [(None, None)])))  # stopped before its first
+    assert saved_progress(_result(("interrupted", [(None, 8)])), _result(("interrupted", [(8, 12)])))
+    assert not saved_progress(_result(("interrupted", [(None, 8)])), _result(("interrupted", [(8, 8)])))  # warned as it resumed
+    assert saved_progress(_result(("interrupted", [(None, 8)])), _result(("interrupted", [(8, 9), (9, 16)])))  # a restart in between
+    two = _result(("succeeded", [(None, 24)]), ("interrupted", [(None, None)]))
+    assert saved_progress(None, two) and not saved_progress(two, two)  # a stage done in this allocation counts
+    assert not saved_progress(None, _result(("succeeded", [(None, 24)]), status="succeeded"))  # finished: nothing to requeue
+    assert not saved_progress(None, _result(("failed", [(None, 8)]), status="failed"))
+    assert [restart_count(env) for env in ({}, {"SLURM_RESTART_COUNT": "0"}, {"SLURM_RESTART_COUNT": "2"}, {"SLURM_RESTART_COUNT": "x"})] == [0, 0, 2, 0]
+
+
+class _Told(RunEvents):
+    def __init__(self) -> None:
+        self.said: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.said.append(text)
+
+
+def test_the_submitter_follows_a_requeued_job_to_its_next_allocation(tmp_path, monkeypatch):
+    """squeue and scontrol played back: running, its launcher's 'finished' (interrupted) line,
+    COMPLETING with one more restart: requeued, not ended; pending, running again, and only the
+    next allocation's end ends the follow. The output file truncated by a requeue is read anew."""
+    loaded = job(tmp_path)
+    states = iter(["RUNNING", "RUNNING", "COMPLETING", "PENDING", "RUNNING", "COMPLETED"])
+    restarts = {"n": 0}
+    monkeypatch.setattr(commands, "squeue_state", lambda job_id: commands.JobState(job_id, next(states), "", "n[1-2]", "n1"))
+    monkeypatch.setattr(commands, "job_record", lambda job_id: {"Restarts": str(restarts["n"])})
+    told = _Told()
+    run = SlurmRun(loaded, "7", tmp_path, told)
+    reader = WireReader(told, "slurm")
+    assert run.ended(reader) is None and told.said == ["Slurm job 7 is running on n[1-2] (batch host n1)"]
+    reader.feed_line('@gpulaunch {"event":"finished","job":"tiny","status":"interrupted"}')
+    assert run.ended(reader) is None and reader.finished == "interrupted"  # still running, not requeued (yet)
+    restarts["n"] = 1  # scontrol requeue: Slurm counts a restart at once
+    run._ask_after = 0.0
+    assert run.ended(reader) is None and reader.finished is None and run.restarts == 1 and run.rerun_since is None
+    assert told.said[-1].startswith("Slurm job 7 was requeued (restart 1): when it runs again, the launcher there resumes the run")
+    assert run.ended(reader) is None  # pending: already told
+    assert run.ended(reader) is None and told.said[-1] == "Slurm job 7 is running on n[1-2] (batch host n1)"
+    assert run.rerun_since is not None and run.rerun_since <= time.time()  # older results are the last allocation's
+    assert run.ended(reader) == "COMPLETED" and run.restarts == 1 and len(told.said) == 3
+
+    out = tmp_path / "slurm-7.out"
+    out.write_text("first allocation\nsecond line\n")
+    tail = OutputTail(out)
+    assert tail.lines() == ["first allocation", "second line"]
+    out.write_text("again\n")  # --open-mode=truncate: the requeued job's output starts over
+    assert tail.lines() == ["again"]
 
 
 def test_the_slurm_section_is_checked_with_file_and_line(tmp_path):
@@ -171,7 +315,7 @@ def test_the_slurm_section_is_checked_with_file_and_line(tmp_path):
     slurm:
       partition: "a b"
       time: 2h
-      extra_sbatch: [--mem=1G, "-N 2", --nodes=4, "--output=x"]
+      extra_sbatch: [--mem=1G, "-N 2", --nodes=4, "--output=x", "--signal=B:USR1@60", --no-requeue]
       acount: me
     """
     with pytest.raises(SpecError) as info:
@@ -183,6 +327,8 @@ def test_the_slurm_section_is_checked_with_file_and_line(tmp_path):
         f"{path}:9: slurm.extra_sbatch.1: expected one long sbatch option, e.g. --mem=64G (got '-N 2')",
         f"{path}:9: slurm.extra_sbatch.2: --nodes is written by the launcher (set resources.nodes instead) (got '--nodes=4')",
         f"{path}:9: slurm.extra_sbatch.3: --output is written by the launcher (not an option here) (got '--output=x')",
+        f"{path}:9: slurm.extra_sbatch.4: --signal is written by the launcher (set preemption.grace_s instead) (got '--signal=B:USR1@60')",
+        f"{path}:9: slurm.extra_sbatch.5: --no-requeue is written by the launcher (not an option here) (got '--no-requeue')",
         f"{path}:10: slurm.acount: unknown key, did you mean 'account'?",
     ]
 
@@ -196,3 +342,25 @@ def test_a_job_that_ended_without_a_result_is_explained(tmp_path):
     assert explain_end("7", state, "SIGINT", tmp_path / "none.out")[1] == "interrupted (SIGINT; Slurm job 7 cancelled before it ran)"
     timeout = commands.JobState("7", "TIMEOUT", "TimeLimit", "n1", "n1", "0:15")
     assert explain_end("7", timeout, None, out)[0] == FailureReason.TIMEOUT
+    assert commands.restarts_of({"Restarts": "2"}) == 2 and commands.restarts_of({}) is None
+
+
+def test_an_earlier_allocations_result_is_not_the_requeued_jobs(tmp_path):
+    """A requeued job whose last allocation wrote no result (its batch host lost) is explained
+    from Slurm's state, not by the interrupted result the allocation before it left."""
+    from launcher.backends.slurm.outcome import settle
+    from launcher.results.store import write_result
+
+    earlier = {"job": "tiny", "run_id": tmp_path.name, "status": "interrupted", "finished_at": 100.0, "stages": [], "ranks": []}
+    write_result(tmp_path, earlier)
+    failed = commands.JobState("7", "NODE_FAIL", "", "n[1-2]", "n1", "0:0", 1)
+    kept = settle(tmp_path, "7", failed, written_after=50.0)  # written after the job ran again: the last allocation's
+    assert kept["status"] == "interrupted" and kept["slurm"]["restarts"] == 1
+    rebuilt = settle(tmp_path, "7", failed, written_after=200.0)
+    assert rebuilt["status"] == "failed" and rebuilt["failure"]["summary"].startswith("Slurm job 7 ended NODE_FAIL"), rebuilt["failure"]
+    # requeued, then stopped in the queue: interrupted, whatever the allocation before it wrote
+    write_result(tmp_path, {**earlier, "status": "failed", "failure": {"reason": "failed", "summary": "rank 1 lost"}})
+    cancelled = commands.JobState("7", "CANCELLED", "", "", "", "0:0", 1)
+    stopped = settle(tmp_path, "7", cancelled, "SIGINT", requeued=True)
+    assert (stopped["status"], stopped["failure"]["reason"]) == ("interrupted", "interrupted") and stopped["stages"] == []
+    assert stopped["failure"]["summary"] == "interrupted (SIGINT; Slurm job 7 cancelled while requeued, before it ran again)"

@@ -95,6 +95,21 @@ def gpus_per_node_env(text: str | None) -> int:
     return int(last) if last.isdigit() else 0
 
 
+def limit_seconds(limit: str) -> int | None:
+    """A Slurm time limit in seconds (``MINUTES``, ``MINUTES:SECONDS``, ``HOURS:MINUTES:SECONDS``,
+    ``DAYS-HOURS``, ``DAYS-HOURS:MINUTES``, ``DAYS-HOURS:MINUTES:SECONDS``); None for none
+    (``INFINITE``, ``UNLIMITED``) or a form this does not know."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", limit.strip())
+    if not m:
+        return None
+    days, a, b, c = (int(g) if g is not None else None for g in m.groups())
+    if days is not None:  # DAYS-HOURS[:MINUTES[:SECONDS]]
+        return days * 86_400 + (a or 0) * 3600 + (b or 0) * 60 + (c or 0)
+    if c is not None:  # HOURS:MINUTES:SECONDS
+        return (a or 0) * 3600 + (b or 0) * 60 + c
+    return (a or 0) * 60 + (b or 0)  # MINUTES[:SECONDS]
+
+
 def time_limit(seconds: float) -> str:
     """Seconds as Slurm's ``D-HH:MM:SS``, rounded up to whole minutes (Slurm's granularity)."""
     minutes = max(1, -(-int(seconds) // 60))
@@ -235,6 +250,7 @@ class JobState:
     nodes: str = ""  # the allocation's node list (n[1-2])
     batch_host: str = ""
     exit_code: str = ""  # "0:0": the batch script's exit code and the signal that ended it
+    restarts: int | None = None  # times Slurm requeued it (scontrol's Restarts); None: not asked
 
     @property
     def terminal(self) -> bool:
@@ -281,8 +297,14 @@ def state_of(job_id: str) -> JobState | None:
         return sacct_state(job_id)
     if state.terminal:
         rec = job_record(job_id) or {}
-        state = JobState(job_id, state.state, state.reason, state.nodes, state.batch_host, rec.get("ExitCode", ""))
+        state = JobState(job_id, state.state, state.reason, state.nodes, state.batch_host, rec.get("ExitCode", ""), restarts_of(rec))
     return state
+
+
+def restarts_of(record: Mapping[str, str]) -> int | None:
+    """How many times the job was requeued, from ``scontrol show job``'s fields (None: not there)."""
+    value = record.get("Restarts", "")
+    return int(value) if value.isdigit() else None
 
 
 def submit(script: str) -> str:

@@ -8,6 +8,7 @@ cancelled before it ran) gets one written here, so ``launch report RUN_DIR`` ren
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +36,8 @@ class OutputTail:
     def lines(self, final: bool = False) -> list[str]:
         try:
             with open(self.path, "rb") as handle:
+                if os.fstat(handle.fileno()).st_size < self._pos:  # truncated: a requeued job's output (--open-mode=truncate)
+                    self._pos, self._partial = 0, b""
                 handle.seek(self._pos)
                 data = handle.read()
         except OSError:
@@ -72,6 +75,9 @@ def job_info(job_id: str) -> JobInfo:
         message = f"on {state.nodes}"
     else:
         message = f"exit code {state.exit_code or '?'}"
+    restarts = commands.restarts_of(record)
+    if restarts:
+        message += f"; requeued {restarts} time(s), each run resuming the last"
     metadata = {"job_name": record.get("JobName", ""), "partition": record.get("Partition", ""), "nodes": state.nodes}
     if run_dir is not None:
         metadata["run_dir"] = str(run_dir)
@@ -109,12 +115,14 @@ def job_logs(job_id: str, *, follow: bool, echo: Callable[[str, str], None]) -> 
 
 def stop_job(job_id: str) -> str:
     """Cancel the job, wait until every step of it is gone; its final state."""
-    state, _, run_dir = _locate(job_id)
+    state, record, run_dir = _locate(job_id)
+    # requeued and waiting to run again: the run directory's result is the allocation before's
+    requeued = state.state in ACTIVE_NOT_STARTED and bool(commands.restarts_of(record))
     if not state.terminal:
         state = cancel_and_wait(job_id) or state
         state = commands.state_of(job_id) or state
     if run_dir is not None and state.terminal:
-        settle(run_dir, job_id, state, interrupted=f"launch stop {job_id}")
+        settle(run_dir, job_id, state, interrupted=f"launch stop {job_id}", requeued=requeued)
     return state.state
 
 
@@ -122,7 +130,8 @@ def cancel_and_wait(job_id: str, *, hurry: Any = lambda: False, pump: Any = lamb
     """Cancel a job and wait until it has left every active state (its steps are gone): a
     running one's batch script first gets STOP_SIGNAL (the launcher inside gets SIGTERM, stops its
     steps and writes its result, then the script cancels the job: Slurm records CANCELLED), then
-    ``scancel`` after STOP_GRACE_S (at once when ``hurry()`` turns true)."""
+    ``scancel`` after STOP_GRACE_S (at once when ``hurry()`` turns true). A job being requeued
+    (COMPLETING, then pending again) is cancelled once it pends."""
     try:
         state = commands.squeue_state(job_id)
     except commands.SlurmError:  # slurmctld does not answer: ask for the cancel all the same
@@ -131,7 +140,9 @@ def cancel_and_wait(job_id: str, *, hurry: Any = lambda: False, pump: Any = lamb
     if state is None or state.terminal:
         return state
     if state.state == "COMPLETING":
-        return wait_ended(job_id, KILL_WAIT_S, hurry, pump)
+        state = wait_ended(job_id, KILL_WAIT_S, hurry, pump, until=lambda s: s.state != "COMPLETING")
+        if state is None or state.terminal or state.state == "COMPLETING":
+            return state
     if state.state in ACTIVE_NOT_STARTED:
         commands.cancel(job_id)
     else:
@@ -143,7 +154,10 @@ def cancel_and_wait(job_id: str, *, hurry: Any = lambda: False, pump: Any = lamb
     return wait_ended(job_id, KILL_WAIT_S, lambda: False, pump)
 
 
-def wait_ended(job_id: str, timeout_s: float, hurry: Any, pump: Any) -> commands.JobState | None:
+def wait_ended(
+    job_id: str, timeout_s: float, hurry: Any, pump: Any, *, until: Callable[[commands.JobState], bool] = lambda _s: False
+) -> commands.JobState | None:
+    """Until the job has ended (or ``until(state)``), ``timeout_s`` at most, or ``hurry()``."""
     deadline = time.monotonic() + timeout_s
     state = None
     while True:
@@ -152,7 +166,7 @@ def wait_ended(job_id: str, timeout_s: float, hurry: Any, pump: Any) -> commands
         except commands.SlurmError:
             pass  # slurmctld did not answer this time: ask again until the deadline
         else:
-            if state is None or state.terminal:
+            if state is None or state.terminal or until(state):
                 return state
         pump()
         if time.monotonic() > deadline or hurry():

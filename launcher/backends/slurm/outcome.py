@@ -21,21 +21,29 @@ from launcher.results.store import RunResult, load_result, write_result
 from launcher.stage.watch import RunEvents
 
 def finish(
-    run_dir: Path, job_id: str, state: commands.JobState | None, interrupted: str | None, events: RunEvents, *, lost: str | None = None
+    run_dir: Path, job_id: str, state: commands.JobState | None, interrupted: str | None, events: RunEvents, *, lost: str | None = None,
+    written_after: float | None = None, requeued: bool = False,
 ) -> RunResult:
     """The run's result once its job has ended: the one the launcher inside wrote, else one
     written here from the job's final state; ``events.finished`` shows it."""
-    data = settle(run_dir, job_id, state, interrupted, lost=lost)
+    data = settle(run_dir, job_id, state, interrupted, lost=lost, written_after=written_after, requeued=requeued)
     result = RunResult(data, run_dir, tuple(str(run_dir / p) for p in data.get("plots", [])))
     events.finished(result)
     return result
 
 
 def settle(
-    run_dir: Path, job_id: str, state: commands.JobState | None, interrupted: str | None = None, *, lost: str | None = None
+    run_dir: Path, job_id: str, state: commands.JobState | None, interrupted: str | None = None, *, lost: str | None = None,
+    written_after: float | None = None, requeued: bool = False,
 ) -> dict[str, Any]:
-    """``result.json`` of an ended job, written here when the launcher inside could not."""
+    """``result.json`` of an ended job, written here when the launcher inside could not.
+    ``written_after``: when a requeued job was seen running again; a result finished before then
+    is an earlier allocation's, not the last one's. ``requeued``: the job was requeued and did
+    not run again (stopped in the queue): the run was interrupted, whatever the allocation
+    before wrote (its record of stages and ranks is kept)."""
     data = load_result(run_dir)
+    if data is not None and written_after is not None and float(data.get("finished_at") or 0) < written_after:
+        data = None
     if data is None:
         reason, summary = explain_end(job_id, state, interrupted, output_path(run_dir, job_id), lost)
         record = read_json(run_dir / RECORD_FILE) or {}
@@ -46,10 +54,13 @@ def settle(
             cut_short=Failure(reason, summary),
         )  # fmt: skip
         data = replace(ended, run_dir=str(run_dir)).to_dict()
+    elif interrupted and requeued and data.get("status") != "succeeded":
+        summary = f"interrupted ({interrupted}; Slurm job {job_id} cancelled while requeued, before it ran again)"
+        data = {**data, "status": "interrupted", "failure": Failure(FailureReason.INTERRUPTED, summary).to_dict()}
     elif interrupted and data.get("status") == "interrupted" and data.get("failure"):
         data = {**data, "failure": {**data["failure"], "summary": f"interrupted ({interrupted}; Slurm job {job_id} cancelled)"}}
     if state is not None:
-        data = {**data, "slurm": {"job_id": job_id, "state": state.state, "exit_code": state.exit_code, "nodes": state.nodes}}
+        data = {**data, "slurm": {"job_id": job_id, "state": state.state, "exit_code": state.exit_code, "nodes": state.nodes, "restarts": state.restarts}}
     write_result(run_dir, data)
     return data
 

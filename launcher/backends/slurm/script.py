@@ -7,13 +7,14 @@ run prints exactly what a run submits, and a request the partition can never hol
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from launcher.backends.slurm.commands import Partition, time_limit
+from launcher.backends.slurm.commands import Partition, limit_seconds, time_limit
 from launcher.errors import EXIT_INTERRUPTED, PlanError
 from launcher.protocol import ENV_SLURM_INSIDE
 from launcher.runtime.devices import GpuInfo, NodeInventory
@@ -35,6 +36,19 @@ MARGIN_S = 60  # added to the stages' timeouts for Slurm's time limit: start-up 
 # Not SIGTERM: Slurm's own (time limit, a plain scancel) reaches every process of the batch step,
 # the launcher included; a SIGTERM handed on as well would be its second: "stop at once".
 STOP_SIGNAL = "USR2"
+# Slurm's warning before the time limit (``--signal=B:USR1@N``, also what a preemption sends with
+# PreemptParameters=send_user_signal): the batch script hands the launcher inside a SIGTERM (its
+# ranks get the stop notice, save and return within preemption.grace_s), then requeues the job
+# once progress was saved: the next allocation resumes the run in the same run directory.
+WARNING_SIGNAL = "USR1"
+# The warning comes this long after preemption.grace_s before the time limit: for the launcher to
+# stop the steps, write its result and requeue the job. Slurm sends it up to 60 s sooner, never later.
+RESULT_MARGIN_S = 30
+SIGNAL_EARLY_S = 60  # how much sooner Slurm may send it (its timer's resolution)
+# What the launcher inside exits with when the run was interrupted with progress saved since this
+# allocation began (a newer checkpoint, another stage done): resumable, so a warned job is
+# requeued. The batch script turns it into 130 (EXIT_INTERRUPTED) for Slurm's record.
+EXIT_RESUMABLE = 75  # sysexits' EX_TEMPFAIL
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,34 @@ class Allocation:
         return f"{self.nodes} node(s) x {self.cpus_per_task} CPU(s){gpus} in {where}, time limit {self.time}"
 
 
+def warning_s(job: LoadedJob) -> int:
+    """How long before the time limit Slurm warns the job (``--signal=B:USR1@N``): the spec's
+    preemption.grace_s for the ranks to save and return, and RESULT_MARGIN_S for the launcher."""
+    return math.ceil(job.spec.preemption.grace_s) + RESULT_MARGIN_S
+
+
+def _time_limit(job: LoadedJob) -> str:
+    """slurm.time, or every stage's rendezvous_s + run_s, MARGIN_S and the warning's lead: a run
+    that keeps to its timeouts never gets the warning (timeouts.run_s ends a run that does not)."""
+    spec = job.spec
+    if spec.slurm.time:
+        return spec.slurm.time
+    stages = len(spec.world_sizes or (1,))
+    return time_limit(stages * (spec.timeouts.rendezvous_s + spec.timeouts.run_s) + MARGIN_S + warning_s(job))
+
+
+def _check_warning_fits(job: LoadedJob) -> None:
+    """A time limit within the warning's reach would warn (and requeue) the job as it starts."""
+    limit = limit_seconds(job.spec.slurm.time or "")
+    warn = warning_s(job)
+    if limit is not None and limit <= warn + SIGNAL_EARLY_S:
+        raise PlanError(
+            f"{job.path}: slurm.time: {job.spec.slurm.time} leaves no time to run: Slurm's warning to save and be requeued comes "
+            f"preemption.grace_s + {RESULT_MARGIN_S} s = {warn} s before the time limit (up to {SIGNAL_EARLY_S} s sooner); "
+            f"set slurm.time to {time_limit(warn + SIGNAL_EARLY_S + 1)} or more, or a shorter preemption.grace_s; nothing was submitted"
+        )
+
+
 def allocation_for(job: LoadedJob, partition: Partition | None) -> Allocation:
     """The allocation the spec asks for, or a PlanError (exit 2) saying what the partition has
     when it can never hold it (a job that would pend forever is never submitted). ``partition``
@@ -60,13 +102,12 @@ def allocation_for(job: LoadedJob, partition: Partition | None) -> Allocation:
     where it asks for them (``gpus_per_node: N``, or ``device: cuda``: then one where ``auto``),
     otherwise ``cpu_workers`` ranks (one where ``auto``)."""
     spec, res = job.spec, job.spec.resources
+    _check_warning_fits(job)
     if partition is None:
         asked = res.gpus_per_node if isinstance(res.gpus_per_node, int) else (1 if res.device == "cuda" else 0)
         gpus = 0 if res.device == "cpu" else asked
         ranks = gpus or (res.cpu_workers if isinstance(res.cpu_workers, int) else 1)
-        stages = len(spec.world_sizes or (1,))
-        limit = spec.slurm.time or time_limit(stages * (spec.timeouts.rendezvous_s + spec.timeouts.run_s) + MARGIN_S)
-        return Allocation(spec.slurm.partition, res.nodes, gpus, spec.slurm.cpus_per_task or ranks, limit)
+        return Allocation(spec.slurm.partition, res.nodes, gpus, spec.slurm.cpus_per_task or ranks, _time_limit(job))
     fewest_gpus = min((n.gpus for n in partition.nodes), default=0)
     if res.device == "cpu":
         gpus = 0
@@ -94,9 +135,7 @@ def allocation_for(job: LoadedJob, partition: Partition | None) -> Allocation:
         problem = f"{field}: {cpus} CPU(s) per node on {res.nodes} node(s) requested"
     if problem:
         raise PlanError(f"{job.path}: {problem}, but {where}; nothing was submitted")
-    stages = len(spec.world_sizes or (1,))
-    limit = spec.slurm.time or time_limit(stages * (spec.timeouts.rendezvous_s + spec.timeouts.run_s) + MARGIN_S)
-    return Allocation(partition.name, res.nodes, gpus, cpus, limit)
+    return Allocation(partition.name, res.nodes, gpus, cpus, _time_limit(job))
 
 
 def fitting_nodes(alloc: Allocation, partition: Partition) -> list[str]:
@@ -140,7 +179,12 @@ def sbatch_script(job: LoadedJob, alloc: Allocation, run_dir: Path, *, python: s
         f"--output={run_dir / OUTPUT_PATTERN}",
         f"--chdir={cwd}",
         "--export=ALL",  # the environment launch ran in (PATH, PYTHONPATH, the venv, SLURM_CONF)
-        "--no-requeue",  # never again into the same run directory after a node failure
+        # Requeued (preemption, a lost node, scontrol requeue, the warning below), the job runs the
+        # launcher again into the same run directory, which resumes the run from its checkpoints.
+        # A job that fails is not requeued: Slurm requeues on those events alone (and RequeueExit).
+        "--requeue",
+        f"--signal=B:{WARNING_SIGNAL}@{warning_s(job)}",  # the batch shell alone: batch_body
+        "--open-mode=append",  # a requeued job's output follows the last allocation's (else truncated)
         *s.extra_sbatch,
     ]
     return "\n".join(
@@ -152,38 +196,70 @@ def sbatch_script(job: LoadedJob, alloc: Allocation, run_dir: Path, *, python: s
             "# The launcher again, inside the allocation: one srun step per node, each a torchrun agent",
             "# with a static rendezvous on the first node; results and logs go to the run directory.",
             f"export {ENV_SLURM_INSIDE}=1",
-            *batch_body([python, "-m", SUBMITTED_MODULE, "slurm", str(run_dir)]),
+            *batch_body([python, "-m", SUBMITTED_MODULE, "slurm", str(run_dir)], warning_s(job)),
             "",
         ]
     )
 
 
-def batch_body(argv: Sequence[str]) -> list[str]:
+def batch_body(argv: Sequence[str], warn_s: int) -> list[str]:
     """The script's lines that run the launcher inside (``argv``) and end the job as its result
-    says: COMPLETED (exit 0), FAILED (any other), CANCELLED once stopped. A batch script that
-    merely exits 130 leaves a FAILED job in Slurm's records however it was stopped, and ``scancel``
-    from ``launch`` comes only after STOP_GRACE_S: so the script cancels the job itself once the
-    launcher has stopped and written its result (a cancel asked before the script ends makes the
-    job CANCELLED). ``launch`` sends SIG``STOP_SIGNAL`` to this shell alone, which hands the
-    launcher one SIGTERM. The launcher runs in the background (a shell runs its traps only between
-    commands) with SIG``STOP_SIGNAL`` ignored, so ``wait`` ends with 128+that signal only when the
-    trap cut it short; the shell ignores SIGTERM, which Slurm sends every process of the batch
-    step (time limit, a plain scancel): the launcher gets it directly, the shell stays to report."""
-    stop = STOP_SIGNAL
+    says: COMPLETED (exit 0), FAILED (any other), CANCELLED once stopped, requeued once warned.
+
+    Stopped: a batch script that merely exits 130 leaves a FAILED job in Slurm's records however
+    it was stopped, and ``scancel`` from ``launch`` comes only after STOP_GRACE_S: so the script
+    cancels the job itself once the launcher has stopped and written its result (a cancel asked
+    before the script ends makes the job CANCELLED). ``launch`` sends SIG``STOP_SIGNAL`` to this
+    shell alone, which hands the launcher one SIGTERM.
+
+    Warned: Slurm sends SIG``WARNING_SIGNAL`` to this shell alone ``warn_s`` seconds before the
+    time limit (``--signal=B:...``; a preemption may too); the launcher gets one SIGTERM, its ranks
+    the stop notice (they save and return within preemption.grace_s), and once it exits with
+    EXIT_RESUMABLE (progress saved) the script requeues the job: the launcher of the next
+    allocation resumes the run. A run that saved nothing is not requeued (it would start over, and
+    over): the script leaves its end to Slurm (TIMEOUT at the time limit, or as preemption decides),
+    holding the allocation at most ``warn_s`` + SIGNAL_EARLY_S, then cancels it. A stop wins over a
+    warning.
+
+    Slurm's own SIGTERM (time limit, a plain scancel, ``scontrol requeue``, preemption) reaches
+    every process of the batch step: the launcher gets it directly and the shell, which ignores
+    it, stays to report, and never cancels or requeues: Slurm has decided the job's fate already
+    (a cancel then would cancel a requeued job). The launcher runs in the background (a shell runs
+    its traps only between commands) with both signals ignored, so ``wait`` ends with 128+one of
+    them only when a trap cut it short."""
+    stop, warn = STOP_SIGNAL, WARNING_SIGNAL
+    job = '"$SLURM_JOB_ID"'
     return [
         f"# launch stops the run with SIG{stop} to this shell: the launcher gets SIGTERM, stops its steps and",
-        "# writes its result, then the job cancels itself (Slurm records CANCELLED; ending 130 it would be FAILED)",
-        "stopped=",
-        f"trap '' {stop}",
+        "# writes its result, then the job cancels itself (Slurm records CANCELLED; ending 130 it would be FAILED).",
+        f"# Slurm warns with SIG{warn} {warn_s} s before the time limit (or on preemption): the launcher gets SIGTERM,",
+        "# its ranks save and return, and a run that saved progress is requeued: the next allocation resumes it.",
+        "stopped= warned=",
+        f"cut_stop=$((128 + $(kill -l {stop}))) cut_warn=$((128 + $(kill -l {warn})))  # what wait returns when a trap cut it short",
+        f"trap '' {stop} {warn}",
         shlex.join(argv) + " &",
         "launcher=$!",
-        f"trap '[ -n \"$stopped\" ] || {{ stopped=1; kill -TERM \"$launcher\" 2>/dev/null; }}' {stop}  # once",
-        "trap '' TERM  # Slurm's own SIGTERM (time limit, scancel) reaches the launcher itself",
-        f"cut_short=$((128 + $(kill -l {stop})))  # what wait returns when the trap cut it short",
-        'code=$cut_short',
-        'while [ "$code" -eq "$cut_short" ]; do wait "$launcher"; code=$?; done',
-        f'if [ "$code" -eq {EXIT_INTERRUPTED} ] || {{ [ -n "$stopped" ] && [ "$code" -gt 128 ]; }}; then',
-        '    scancel --quiet "$SLURM_JOB_ID"  # stopped: the job ends CANCELLED, its result written',
+        f"trap '[ -n \"$stopped\" ] || {{ stopped=1; [ -n \"$warned\" ] || kill -TERM \"$launcher\" 2>/dev/null; }}' {stop}  # once",
+        f"trap '[ -n \"$stopped$warned\" ] || {{ warned=1; echo \"gpulaunch: SIG{warn} from Slurm (time limit in {warn_s} s, or preemption):"
+        f" stopping the run to save it and requeue the job\"; kill -TERM \"$launcher\" 2>/dev/null; }}' {warn}  # once",
+        "trap '' TERM  # Slurm's own SIGTERM (time limit, scancel, requeue, preemption) reaches the launcher itself",
+        "code=$cut_stop",
+        'while [ "$code" -eq "$cut_stop" ] || [ "$code" -eq "$cut_warn" ]; do wait "$launcher"; code=$?; done',
+        f'launcher= resumable=; [ "$code" -ne {EXIT_RESUMABLE} ] || {{ resumable=1; code={EXIT_INTERRUPTED}; }}  # interrupted, progress saved',
+        'if [ -n "$stopped" ] && [ "$code" -gt 128 ]; then',
+        f"    scancel --quiet {job}  # stopped: the job ends CANCELLED, its result written",
+        'elif [ -n "$warned" ] && [ -n "$resumable" ]; then',
+        f"    if scontrol requeue {job}; then  # back to the queue, same job id: its launcher resumes the run",
+        '        echo "gpulaunch: Slurm job $SLURM_JOB_ID requeued: the next allocation resumes the run from its last checkpoint"',
+        "    else",
+        f'        echo "gpulaunch: Slurm job $SLURM_JOB_ID could not be requeued: cancelled, its result written"; scancel --quiet {job}',
+        "    fi",
+        'elif [ -n "$warned" ] && [ "$code" -gt 128 ]; then  # warned, nothing saved: requeued it would start over',
+        '    echo "gpulaunch: the run saved no progress since this allocation began: not requeued; Slurm ends the job"',
+        "    trap - TERM  # the launcher has ended: Slurm's SIGTERM (time limit, preemption) may end this shell now",
+        f"    sleep {warn_s + SIGNAL_EARLY_S} & nap=$! slept=$cut_stop",
+        '    while [ -z "$stopped" ] && { [ "$slept" -eq "$cut_stop" ] || [ "$slept" -eq "$cut_warn" ]; }; do wait "$nap"; slept=$?; done',
+        f'    if [ -n "$stopped" ] || [ "$slept" -eq 0 ]; then kill "$nap" 2>/dev/null; scancel --quiet {job}; fi  # not Slurm\'s end: cancelled',
         "fi",
         'exit "$code"',
     ]

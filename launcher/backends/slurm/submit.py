@@ -6,7 +6,9 @@ and the dry run). Then the run directory (on the filesystem the cluster shares) 
 effective spec and ``job.sbatch``, and ``sbatch --parsable`` submits it. Inside the job the
 launcher runs the stages with the srun engine and writes the run's events into ``slurm-<id>.out``
 (the remote-run wire, ``launcher.stage.wire``); this side follows that file and ``squeue`` with the
-wire's one follow loop, so the console and ``/metrics`` here show every rank live. When the job has
+wire's one follow loop, so the console and ``/metrics`` here show every rank live. A job Slurm requeues
+(its warning before the time limit, preemption, ``scontrol requeue``) is followed on through the
+queue to its next allocation, whose launcher resumes the run, and so on to the end. When the job has
 ended, ``result.json`` is the one the launcher inside wrote, or, if it could not write one (its
 node was lost, the job was cancelled before it ran), one written here from the job's final state.
 Ctrl-C or SIGTERM cancel the job: first SIGTERM to the launcher inside, through its batch script
@@ -54,6 +56,7 @@ POLL_S = 0.5
 # there: the launcher inside runs on it, and Slurm notices a lost node only after SlurmdTimeout.
 SILENT_S = 4.0
 COMPLETING_WAIT_S = 2.0  # once the launcher inside has ended, how long the job may stay COMPLETING
+RESTARTS_EVERY_S = 1.0  # once the launcher inside has ended, how often to ask whether Slurm requeued the job
 DRY_RUN_PROBE_S = 5.0  # a dry run asks sinfo this long: a client with no controller to reach says so in seconds
 
 
@@ -207,21 +210,29 @@ def _follow_job(job: LoadedJob, job_id: str, run_dir: Path, events: RunEvents, s
         state = commands.state_of(job_id) or state  # with its exit code, once it has ended
     except commands.SlurmError:
         pass
-    return finish(run_dir, job_id, state, interrupted, events, lost=run.lost)
+    waiting = run.restarts > 0 and run.rerun_since is None  # requeued, and stopped before it ran again
+    return finish(run_dir, job_id, state, interrupted, events, lost=run.lost, written_after=run.rerun_since, requeued=waiting)
 
 
 class SlurmRun(RemoteRun):
-    """One submitted job, as the follow loop sees it: its output file, and ``squeue``."""
+    """One submitted job, as the follow loop sees it: its output file, and ``squeue``; through
+    every requeue (the same job id, the same output file, the run resumed) to its end."""
 
     def __init__(self, job: LoadedJob, job_id: str, run_dir: Path, events: RunEvents) -> None:
         self.job, self.job_id, self.run_dir, self.events = job, job_id, run_dir, events
         self.tail = OutputTail(output_path(run_dir, job_id))
         self.state: commands.JobState | None = None
         self.lost: str | None = None  # the batch host, lost: "n1 (why)"
+        self.restarts = 0  # times Slurm requeued the job, as seen here
+        # when the job was seen running again after its last requeue (wall clock): a result
+        # finished before then is an earlier allocation's (the old one has ended by then)
+        self.rerun_since: float | None = None
+        self._rerun_pending = False
         self._submitted = time.monotonic()
         self._running = self._pending_told = False
         self._completing_since: float | None = None
         self._quiet_until = 0.0
+        self._ask_after = 0.0  # when Slurm's restart count may be asked again
         self._beacons: dict[int, tuple[float | None, float]] = {}  # rank -> (its beacon's t, when that was new)
 
     def new_lines(self, final: bool = False) -> list[str]:
@@ -238,6 +249,8 @@ class SlurmRun(RemoteRun):
         self.state = state
         if state is None or state.terminal:
             return state.state if state else "UNKNOWN"
+        if self._requeued(state, reader):
+            return None
         if state.state == "COMPLETING" and reader.finished:
             # the launcher inside has written its result and ended; a lost node keeps the job
             # COMPLETING until Slurm marks it down (SlurmdTimeout): no need to wait for that
@@ -256,6 +269,34 @@ class SlurmRun(RemoteRun):
                 return self.state.state if self.state else "CANCELLED"
         return None
 
+    def _requeued(self, state: commands.JobState, reader: WireReader) -> bool:
+        """Whether Slurm has requeued the job since it was last seen running: it pends again, or
+        the launcher inside has ended and Slurm counts one more restart (asked only then). The
+        run goes on: the next allocation's launcher resumes it, and its output follows."""
+        again = state.state in ACTIVE_NOT_STARTED and self._running
+        if not again and not (reader.finished and time.monotonic() >= self._ask_after):
+            return False
+        self._ask_after = time.monotonic() + RESTARTS_EVERY_S
+        try:
+            restarts = commands.restarts_of(commands.job_record(self.job_id) or {})
+        except commands.SlurmError:
+            restarts = None
+        if restarts is None:
+            restarts = self.restarts + 1 if again else self.restarts
+        if restarts <= self.restarts:
+            return False
+        self.restarts, self._rerun_pending = restarts, True
+        reader.close()  # a stage the last allocation left open
+        reader.finished, reader.last_progress = None, None
+        self._running = self._pending_told = False
+        self._submitted, self._completing_since = time.monotonic(), None
+        self._beacons.clear()
+        self.events.message(
+            f"Slurm job {self.job_id} was requeued (restart {restarts}): when it runs again, the launcher there resumes the run "
+            f"from its last checkpoint (launch stop {self.job_id} or Ctrl-C cancels it)"
+        )
+        return True
+
     def _tell(self, state: commands.JobState) -> None:
         """That the job still pends (once, after timeouts.rendezvous_s), then that it runs."""
         waited = time.monotonic() - self._submitted
@@ -268,6 +309,8 @@ class SlurmRun(RemoteRun):
                 )
         elif not self._running:
             self._running = True
+            if self._rerun_pending:
+                self.rerun_since, self._rerun_pending = time.time(), False
             self.events.message(f"Slurm job {self.job_id} is running on {state.nodes or '?'} (batch host {state.batch_host or '?'})")
 
     def _batch_host_lost(self, batch_host: str, reader: WireReader) -> str | None:
