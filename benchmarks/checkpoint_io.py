@@ -11,9 +11,10 @@ directory on the same filesystem (default: a temporary directory under /tmp):
   process group): ``dcp.save(state, checkpoint_id=dir)``, ``dcp.load(state, checkpoint_id=dir)``
   (its FileSystemWriter fsyncs every file and the metadata: ``sync_files=True`` by default);
 - ``ctx``: ``Checkpoints.save(state, step=k)`` / ``Checkpoints.load()`` at world size 1 (replicated:
-  ``torch.save`` streamed through a SHA-256 hashing writer into ``.partial-*``, fsync of the file,
-  manifest written and fsynced, folder fsynced, renamed to ``step-*``, parent fsynced; the load
-  reads the file, checks its SHA-256 against the manifest, then ``torch.load`` from memory);
+  ``torch.save`` to the file in ``.partial-*``, its SHA-256 read back from the page cache on a
+  helper thread while the file is fsynced, manifest written and fsynced, folder fsynced, renamed to
+  ``step-*``, parent fsynced; the load reads the file and ``torch.load``s it from memory while a
+  helper thread checks its SHA-256 against the manifest: the state is returned once they match);
 - ``ctx_sharded``: ``Checkpoints.save(state, step=k, sharded=True)`` / ``Checkpoints.load(state)``
   (DCP into ``.partial-*``, every file's SHA-256 read back, manifest, rename; the load checks every
   file's digest on rank 0, then ``dcp.load``);
@@ -22,11 +23,7 @@ and, to say where the difference goes (not baselines):
 
 - ``plain_fsync`` (save only): ``torch.save(state, path)`` then fsync of the file: what durability
   alone costs;
-- ``sha256``: SHA-256 of the saved file's bytes, already in memory: what the digest alone costs;
-- ``ctx_overlap``: a prototype of a proposed change, in this script only (a subclass; ``launcher/``
-  is not touched): the same steps as ``ctx``, but the digest is computed on a helper thread while
-  the same chunk is written (save), and while ``torch.load`` parses the bytes (load; the state is
-  returned only once its digest matched the manifest). ``--no-overlap`` leaves it out.
+- ``sha256``: SHA-256 of the saved file's bytes, already in memory: what the digest alone costs.
 
 A variant that did not fsync is fsynced after its timed part (untimed), so its dirty pages are
 not written back during the next variant's measurement. Loads read what was just written (the
@@ -60,7 +57,6 @@ wall times vary far more than the effect.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -68,7 +64,6 @@ import sys
 import tempfile
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +75,6 @@ from benchmarks.common import base_parser, fmt, machine_info, ratio, rotate, sum
 SIZES = {"large": (2048, 12), "small": (512, 4), "tiny": (64, 2)}
 VARIANTS = ("plain", "dcp", "ctx", "ctx_sharded")
 DIAGNOSTICS = ("plain_fsync", "sha256")
-PROPOSAL = "ctx_overlap"
 BASELINES = ("plain", "dcp")
 STEP_VARIANTS = ("plain", "should_stop", "saving")
 
@@ -150,69 +144,8 @@ def make_checkpoints(root: Path, cls: Any = None) -> Any:
     return (cls or Checkpoints)(config, rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
-def overlap_checkpoints_class() -> Any:
-    """The proposal's prototype: ``Checkpoints`` whose digest runs on a helper thread alongside the
-    write of the same bytes (save) and alongside ``torch.load``'s parse (load). hashlib and file
-    writes release the GIL on large buffers, so the two proceed at once where a core is free. The
-    guarantees are the same: the manifest's digest is of the bytes written (each chunk is hashed
-    before ``write`` returns, so torch's buffer is still alive), and ``load`` returns a state only
-    once the digest of the bytes it parsed equals the manifest's (``weights_only=True`` parses
-    untrusted bytes safely; a parse error of bytes that do not match is reported as the mismatch)."""
-    import torch
-
-    from launcher.checkpoints import STATE_FILE, CheckpointError, FileDigest, HashingWriter
-    from launcher.runtime.checkpoint import Checkpoints, Restored
-
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-digest")
-    big = 1 << 20
-
-    class OverlapWriter(HashingWriter):
-        def write(self, data: Any) -> int:
-            view = memoryview(data).cast("B")
-            if len(view) < big:
-                return super().write(view)
-            pending = pool.submit(self._hash.update, view)
-            try:
-                written = self._handle.write(view)
-            finally:
-                pending.result()
-            self.size += len(view)
-            return written
-
-    class OverlapCheckpoints(Checkpoints):
-        def _write_stream(self, torch_: Any, state: Any, step: int) -> Path:
-            partial = self._partial(step)
-            with open(partial / STATE_FILE, "wb") as handle:
-                writer = OverlapWriter(handle)
-                torch_.save(state, writer)
-                handle.flush()
-                os.fsync(handle.fileno())
-            return self._publish(partial, step, {STATE_FILE: writer.digest()})
-
-        def _payload(self, folder: Path, steps: list[int], best: int, source_rank: int, *, keep_copy: bool) -> bytes:
-            assert self.world_size == 1, "prototype: world size 1 only"
-            return (folder / STATE_FILE).read_bytes()  # checked in _load_bytes, alongside the parse
-
-        def _load_bytes(self, payload: bytes, manifest: Any, folder: Path, map_location: Any) -> Any:
-            digest = pool.submit(lambda: FileDigest(len(payload), hashlib.sha256(payload).hexdigest()))
-            state, error = None, None
-            try:
-                state = torch.load(io.BytesIO(payload), map_location=map_location or self.device, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - reported below, after the digest says whether the bytes are the manifest's
-                error = exc
-            got = digest.result()
-            if got != manifest.files.get(STATE_FILE):
-                raise CheckpointError(f"checkpoint {folder / STATE_FILE}: its contents differ from its manifest (sha256 {got.sha256[:12]}...); "
-                                      f"delete {folder} to drop the checkpoint")  # fmt: skip
-            if error is not None:
-                raise error
-            return Restored(state, manifest.step, folder, manifest)
-
-    return OverlapCheckpoints
-
-
 # --- one save + load in each variant ------------------------------------------------------------
-def run_variant(name: str, state: dict[str, Any], where: Path, step: int, overlap_cls: Any) -> dict[str, Any]:
+def run_variant(name: str, state: dict[str, Any], where: Path, step: int) -> dict[str, Any]:
     """Save then load ``state`` once in variant ``name`` under ``where`` (a fresh folder)."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -250,13 +183,13 @@ def run_variant(name: str, state: dict[str, Any], where: Path, step: int, overla
         dcp.load(state, checkpoint_id=str(target))  # fills the state's tensors in place
         load_s = time.perf_counter() - t0
         written, loaded = target, state
-    else:  # ctx, ctx_sharded, ctx_overlap
+    else:  # ctx, ctx_sharded
         sharded = name == "ctx_sharded"
-        ck = make_checkpoints(where, overlap_cls if name == PROPOSAL else None)
+        ck = make_checkpoints(where)
         t0 = time.perf_counter()
         written = ck.save(state, step=step, sharded=sharded)
         save_s = time.perf_counter() - t0
-        reader = make_checkpoints(where, overlap_cls if name == PROPOSAL else None)  # as a restarted attempt would
+        reader = make_checkpoints(where)  # as a restarted attempt would
         t0 = time.perf_counter()
         restored = reader.load(state) if sharded else reader.load()
         load_s = time.perf_counter() - t0
@@ -267,13 +200,12 @@ def run_variant(name: str, state: dict[str, Any], where: Path, step: int, overla
     return {"save_s": save_s, "load_s": load_s, "bytes_on_disk": folder_bytes(written)}
 
 
-def part_io(sizes: list[str], reps: int, base: Path, with_overlap: bool) -> dict[str, Any]:
+def part_io(sizes: list[str], reps: int, base: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
-    overlap_cls = overlap_checkpoints_class() if with_overlap else None
-    variants = [*VARIANTS, *DIAGNOSTICS, *([PROPOSAL] if with_overlap else [])]
+    variants = [*VARIANTS, *DIAGNOSTICS]
     out: dict[str, Any] = {}
     for size in sizes:
         width, layers = SIZES[size]
@@ -286,7 +218,7 @@ def part_io(sizes: list[str], reps: int, base: Path, with_overlap: bool) -> dict
             for name in rotate(variants, rep):
                 where = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
                 try:
-                    record = run_variant(name, state, where, rep + 1, overlap_cls)
+                    record = run_variant(name, state, where, rep + 1)
                 finally:
                     shutil.rmtree(where, ignore_errors=True)
                 if rep:
@@ -313,7 +245,7 @@ def summarize_io(runs: dict[str, list[dict[str, Any]]], nbytes: int, loads: list
             entry[f"{op}_gbps"] = {k: round(nbytes / 1e9 / t, 3) if t else None for k, t in speed.items()}
         res["variants"][name] = entry
     ratios: dict[str, Any] = {}
-    for name in (n for n in ("ctx", "ctx_sharded", PROPOSAL) if n in runs):
+    for name in (n for n in ("ctx", "ctx_sharded") if n in runs):
         for op in ("save", "load"):
             best = [min(runs[b][i][f"{op}_s"] for b in BASELINES) for i in range(len(runs[name]))]
             paired = [ratio(r[f"{op}_s"], b) for r, b in zip(runs[name], best)]
@@ -322,8 +254,6 @@ def summarize_io(runs: dict[str, list[dict[str, Any]]], nbytes: int, loads: list
             ratios[f"{name}_{op}"] = {"paired": summary(paired), "of_medians": ratio(medians[name][f"{op}_s"]["median"], best_median),
                                       "faster_baseline": min(BASELINES, key=lambda b: medians[b][f"{op}_s"]["median"])}  # fmt: skip
     res["ctx_over_best_baseline"] = ratios
-    if PROPOSAL in runs and "ctx" in runs:
-        res["proposal_over_ctx"] = {op: summary([ratio(a[f"{op}_s"], b[f"{op}_s"]) for a, b in zip(runs[PROPOSAL], runs["ctx"])]) for op in ("save", "load")}
     return res
 
 
@@ -483,9 +413,6 @@ def io_table(size: str, res: dict[str, Any]) -> list[str]:
     lines += ["", "| ratio to the faster baseline | paired: median [min..max] | of medians | faster baseline (medians) |", "|---|---|---|---|"]
     for key, r in res["ctx_over_best_baseline"].items():
         lines.append(f"| {key} | {_spread(r['paired'])} | {fmt(r['of_medians'])} | {r['faster_baseline']} |")
-    if "proposal_over_ctx" in res:
-        p = res["proposal_over_ctx"]
-        lines += ["", f"{PROPOSAL} / ctx (paired): save {_spread(p['save'])}, load {_spread(p['load'])}"]
     return lines
 
 
@@ -534,7 +461,6 @@ def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--sizes", default=None, help="comma-separated, of " + ", ".join(f"{k} ({w}x{w}, {n} layers)" for k, (w, n) in SIZES.items()))
     p.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temporary folder under /tmp)")
-    p.add_argument("--no-overlap", action="store_true", help="leave out the ctx_overlap prototype")
     p.add_argument("--no-steps", action="store_true", help="part 1 only")
     p.add_argument("--no-io", action="store_true", help="part 2 only")
     p.add_argument("--steps", type=int, default=None, help="steps a block in part 2 (blocks: max(reps, 60))")
@@ -549,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                             "config": {"reps": reps, "step_reps": step_reps, "sizes": sizes, "dir": str(base), "torch_threads": 1}}  # fmt: skip
     try:
         if not args.no_io:
-            data["io"] = part_io(sizes, reps, base, not args.no_overlap)
+            data["io"] = part_io(sizes, reps, base)
         if not args.no_steps:
             data["steps"] = part_steps(step_reps, steps, calls, base)
     finally:

@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, Mapping
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -103,27 +103,6 @@ def complete_steps(root: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), Path(e.path)) for e in entries if e.is_dir() and (m := _STEP_DIR.match(e.name))]
     return sorted(found)
-
-
-class HashingWriter:
-    """A binary file that hashes what goes through it (torch.save writes here): the digest costs
-    no second read of the file."""
-
-    def __init__(self, handle: BinaryIO) -> None:
-        self._handle = handle
-        self._hash = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        self._hash.update(data)
-        self.size += len(memoryview(data).cast("B"))
-        return self._handle.write(data)
-
-    def flush(self) -> None:
-        self._handle.flush()
-
-    def digest(self) -> FileDigest:
-        return FileDigest(self.size, self._hash.hexdigest())
 
 
 def file_digest(path: Path) -> FileDigest:

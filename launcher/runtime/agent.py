@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.raiseExceptions = False
+    # torch's agent logs a worker's failure with logger.exception: formatting that traceback imports
+    # torch._dynamo (sympy, inductor: 1-2 s here) before the agent can report and exit, which every
+    # restart then waits for; the rank's traceback is in its own report and log already.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_traceback)
     parent = os.environ.get(ENV_PARENT_PID)
     die_with_parent(signal.SIGTERM, int(parent) if parent else None)
     # Workers inherit this: it lets them check their own parent-death request against the race
@@ -115,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if forwarder is not None:
             forwarder.stop()  # the reports the ranks wrote on their way out go too
+
+
+def _without_traceback(record: Any) -> bool:
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _forwarder(node_rank: int, nproc_per_node: int) -> RankForwarder | None:

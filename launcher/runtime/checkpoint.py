@@ -18,10 +18,12 @@ fresh start. Files are written under a temporary name and published by a rename 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -31,7 +33,6 @@ from launcher.checkpoints import (
     STATE_FILE,
     CheckpointError,
     FileDigest,
-    HashingWriter,
     Manifest,
     check_files,
     complete_steps,
@@ -320,24 +321,25 @@ class Checkpoints:
         return partial
 
     def _write_stream(self, torch: Any, state: Mapping[str, Any], step: int) -> Path:
+        """torch's own writer to the file (its fastest path), then the file's digest, read back
+        from the page cache, on a helper thread while the file goes to disk (fsync)."""
         partial = self._partial(step)
-        with open(partial / STATE_FILE, "wb") as handle:
-            writer = HashingWriter(handle)
-            torch.save(state, writer)
-            handle.flush()
-            os.fsync(handle.fileno())
-        return self._publish(partial, step, {STATE_FILE: writer.digest()})
+        path = partial / STATE_FILE
+        torch.save(state, path)
+        with ThreadPoolExecutor(1) as pool:
+            digest = pool.submit(file_digest, path)
+            _fsync(path)
+            return self._publish(partial, step, {STATE_FILE: digest.result()})
 
     def _write_bytes(self, payload: bytes, step: int) -> Path:
-        import hashlib
-
         partial = self._partial(step)
-        with open(partial / STATE_FILE, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        digest = FileDigest(len(payload), hashlib.sha256(payload).hexdigest())
-        return self._publish(partial, step, {STATE_FILE: digest})
+        with ThreadPoolExecutor(1) as pool:
+            digest = pool.submit(_digest_of, payload)  # beside the write and its fsync (both let go of the GIL)
+            with open(partial / STATE_FILE, "wb") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            return self._publish(partial, step, {STATE_FILE: digest.result()})
 
     def _publish(self, partial: Path, step: int, files: Mapping[str, FileDigest], fmt: str = "torch") -> Path:
         write_manifest(partial, self._manifest(step, fmt, files))
@@ -434,16 +436,26 @@ class Checkpoints:
         that had none keeps a copy (``keep_copy``), so a later restart there finds it."""
         leaders = self._layout()
         if all(step == best for step in steps):
-            return _read_verified(folder)
-        payload = self._broadcast(_read_verified(folder) if self.rank == source_rank else None, source_rank)
+            return _read_state(folder)
+        payload = self._broadcast(_read_state(folder) if self.rank == source_rank else None, source_rank)
         if keep_copy and self.rank in leaders and steps[self.rank] != best:
             self._write_bytes(payload, best)
         return payload
 
     def _load_bytes(self, payload: bytes, manifest: Manifest, folder: Path, map_location: Any) -> Restored:
+        """The state, parsed while a helper thread checks the bytes against the manifest's digest:
+        it is handed to the job only once they match (a parse of bytes that do not is not trusted)."""
         import torch
 
-        state = torch.load(io.BytesIO(payload), map_location=map_location or self.device, weights_only=True)
+        path, expected = folder / STATE_FILE, manifest.files.get(STATE_FILE)
+        with ThreadPoolExecutor(1) as pool:
+            digest = pool.submit(_digest_of, payload)
+            try:
+                state = torch.load(io.BytesIO(payload), map_location=map_location or self.device, weights_only=True)
+            except Exception:
+                _check_digest(path, folder, expected, digest.result())  # changed bytes: say that, not what the parse made of them
+                raise
+            _check_digest(path, folder, expected, digest.result())
         return Restored(state, manifest.step, folder, manifest)
 
     def _load_sharded(self, state: Mapping[str, Any] | None, folder: Path, manifest: Manifest) -> Restored:
@@ -462,18 +474,27 @@ class Checkpoints:
         return [step for step, _ in complete_steps(self.root)]
 
 
-def _read_verified(folder: Path) -> bytes:
-    """The state file of a replicated checkpoint, checked against its manifest in the same read."""
-    import hashlib
-
-    manifest = Manifest.read(folder)
-    expected = manifest.files.get(STATE_FILE)
+def _read_state(folder: Path) -> bytes:
+    """The state file of a replicated checkpoint (checked against its digest as it is parsed)."""
     path = folder / STATE_FILE
     try:
-        payload = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path}: cannot read it ({exc.strerror or exc}); delete {folder} to drop the checkpoint") from None
-    got = FileDigest(len(payload), hashlib.sha256(payload).hexdigest())
+
+
+def _digest_of(payload: bytes) -> FileDigest:
+    return FileDigest(len(payload), hashlib.sha256(payload).hexdigest())
+
+
+def _check_digest(path: Path, folder: Path, expected: FileDigest | None, got: FileDigest) -> None:
     if expected is None or got != expected:
         raise CheckpointError(f"checkpoint {path}: its contents differ from its manifest (sha256 {got.sha256[:12]}...); delete {folder} to drop the checkpoint")
-    return payload
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

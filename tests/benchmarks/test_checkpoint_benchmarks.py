@@ -27,12 +27,12 @@ def test_checkpoint_io_smoke(tmp_path):
     data = _run(tmp_path, "checkpoint_io", "--dir", str(tmp_path))
     (size,) = data["io"].values()
     assert size["state_bytes"] > 0 and len(size["loadavg_1min_per_rep"]) == 1
-    for name in ("plain", "dcp", "ctx", "ctx_sharded", "ctx_overlap"):
+    for name in ("plain", "dcp", "ctx", "ctx_sharded"):
         v = size["variants"][name]
         assert v["save_s"]["n"] == 1 and v["load_s"]["n"] == 1 and v["save_gbps"]["median"] > 0 and v["bytes_on_disk"] > 0, name
     for name in ("plain_fsync", "sha256"):
         assert size["variants"][name]["save_s"]["n"] == 1, name
-    for key in ("ctx_save", "ctx_load", "ctx_sharded_save", "ctx_sharded_load", "ctx_overlap_save", "ctx_overlap_load"):
+    for key in ("ctx_save", "ctx_load", "ctx_sharded_save", "ctx_sharded_load"):
         r = size["ctx_over_best_baseline"][key]
         assert r["paired"]["n"] == 1 and r["of_medians"] > 0 and r["faster_baseline"] in ("plain", "dcp"), key
     steps = data["steps"]

@@ -54,7 +54,8 @@ def _die_in_the_save_after(ctx: Any, step: int, marker: Path) -> None:
 
     def half_a_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if ctx.metrics.steps >= step:
-            f.write(b"PK\x03\x04 half a checkpoint")
+            half = b"PK\x03\x04 half a checkpoint"
+            f.write(half) if hasattr(f, "write") else Path(f).write_bytes(half)
             _die(marker)
         original(obj, f, *args, **kwargs)
 

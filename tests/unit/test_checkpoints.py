@@ -75,7 +75,7 @@ def test_a_killed_save_leaves_no_step_folder(tmp_path: Path) -> None:
 
         ck = checkpoints(tmp_path)
         original = torch.save
-        torch.save = lambda obj, f, *a, **k: (f.write(b"PK\x03\x04"), os.kill(os.getpid(), signal.SIGKILL))  # type: ignore[assignment]
+        torch.save = lambda obj, f, *a, **k: (Path(f).write_bytes(b"PK\x03\x04"), os.kill(os.getpid(), signal.SIGKILL))  # type: ignore[assignment]
         try:
             ck.save(state(2), step=2)
         finally:
