@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from launcher.errors import BackendError, LauncherError, PlanError
 from launcher.evidence import RankEvidence
 from launcher.procutil import cmdline, descendants, kill_now, pid_alive, process_start_ticks, wait_gone
-from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, RankProgress, RankReport
+from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, STOP_NOTICE_SIGNAL, RankProgress, RankReport
 from launcher.records import RankExit
 from launcher.runtime.devices import GpuInfo, NodeInventory
 from launcher.runtime.hangdump import gather_as_dicts
@@ -47,6 +47,7 @@ CONNECT_ENV = ENV_RAY_CONNECT  # set by launcher.backends.ray_jobs: connect to t
 TORCHRUN_SCRIPT_ENV = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DRAIN_WAIT_S = 0.5
+NODE_DRAIN_CHECK_S = 1.0  # how often a running stage asks the GCS whether one of its nodes is being drained
 EVIDENCE_TIMEOUT_S = 30.0  # a task per node: py-spy per rank, the ranks' own accounts (3 s)
 _log = logging.getLogger(__name__)
 
@@ -277,6 +278,8 @@ class RayStage(StageHandle):
         self._state = "new"
         self._deadline = 0.0
         self._failure = ""
+        self._next_drain_check = 0.0
+        self._noticed_drain = False
 
     def start(self) -> None:
         if not ray.is_initialized():
@@ -314,6 +317,7 @@ class RayStage(StageHandle):
         if self._state == "running":
             self._pump_logs()
             self._poll_runs()
+            self._watch_node_drains()
         if self._state == "failed":
             return HandleStatus(done=True, ok=False, detail=self._failure)
         if self._state == "running" and len(self._reports) == len(self.plan.ranks):
@@ -392,6 +396,25 @@ class RayStage(StageHandle):
             self._state = "failed"
             bad = sorted(k for k, r in self._reports.items() if not r.ok)
             self._failure = f"rank(s) {bad} failed"
+
+    def _watch_node_drains(self) -> None:
+        """A node of this stage being drained (the autoscaler's or KubeRay's preemption, a spot
+        node's notice, ``ray drain-node``) is a stop notice to every rank: a job that watches
+        ``ctx.should_stop`` saves and returns before the node goes (``launch resume`` continues it)."""
+        if self._noticed_drain or time.monotonic() < self._next_drain_check:
+            return
+        self._next_drain_check = time.monotonic() + NODE_DRAIN_CHECK_S
+        draining = _draining_nodes()
+        mine = {probe["node_id"]: rank for rank, probe in self._probes.items()}
+        hit = [(node, deadline_ms) for node, deadline_ms in draining.items() if node in mine]
+        if not hit:
+            return
+        self._noticed_drain = True
+        node, deadline_ms = hit[0]
+        left = f", {max(0.0, deadline_ms / 1e3 - time.time()):.0f} s before it goes" if deadline_ms else ""
+        host = self._host(mine[node])
+        self.logs.route(f"gpulaunch: Ray is draining node {host} ({node[:12]}){left}: stop notice to every rank", host)
+        self.signal_ranks(STOP_NOTICE_SIGNAL)
 
     def _died_of(self, rank: int, detail: str) -> None:
         """A rank whose actor died without a Python exception; its peers then fail on closed
@@ -482,6 +505,19 @@ class RayStage(StageHandle):
         for actor in self._actors:
             with contextlib.suppress(Exception):
                 actor.signal.remote(int(signum))
+
+
+def _draining_nodes() -> dict[str, int]:
+    """Node id -> the drain's deadline (ms since the epoch; 0: none) for every node the GCS is
+    draining. Ray offers this through its internal state accessor only: an API that moved or
+    failed means no drain is seen (the stage runs on as before)."""
+    try:
+        from ray._private.state import state
+
+        draining = state.get_draining_nodes()
+    except Exception:  # noqa: BLE001 - an internal API: never worth a failed run
+        return {}
+    return {str(node): int(deadline or 0) for node, deadline in (draining or {}).items()}
 
 
 def _node_cpus() -> dict[str, float]:

@@ -26,7 +26,7 @@ import launcher
 from launcher.control.api import resume_run
 from launcher.control.runloop import StopRequest
 from tests.jobs.conftest import TINY_TRAIN
-from tests.ray.conftest import DRIVER, REPO, RayHead, assert_ray_run_left_nothing, descendants, wait_no_orphans
+from tests.ray.conftest import DRIVER, REPO, RayDriver, RayHead, assert_ray_run_left_nothing, descendants, ray_cluster, wait_no_orphans
 
 pytestmark = pytest.mark.slow
 
@@ -183,4 +183,47 @@ def test_a_sigterm_to_a_ranks_actor_is_the_jobs_stop_notice(ray_driver: RayHead,
     assert all(r["status"] == "ok" and r["result"]["stopped_early"] for r in result["ranks"]), result["ranks"]
     reports = [json.loads((run.run_dir / "world2" / "reports" / f"rank{k}.json").read_text()) for k in (0, 1)]
     assert [r.get("stop_notice") for r in reports] == [None, "SIGTERM"]  # rank 1 was told; rank 0 stopped with it (the group's answer)
+    _left_nothing(ray_driver, run, baseline)
+
+
+@pytest.fixture
+def doomed_head(driver: RayDriver) -> Iterator[RayHead]:
+    """A Ray head of this test's own, this process its driver: a drained node stays drained (it
+    takes no new work), so the session's head must never be the one drained."""
+    with ray_cluster() as head:
+        driver.connect(head)
+        yield head
+
+
+def test_a_node_being_drained_is_a_stop_notice_to_every_rank(doomed_head: RayHead, tmp_path: Path) -> None:
+    """Ray drains the node the ranks run on (the autoscaler's preemption, a spot node's notice:
+    here asked of the GCS as `ray drain-node` asks it, with a deadline): every rank is told, the
+    job saves at its next step and returns, and the run ends preempted, to be resumed."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    ray_driver = doomed_head
+    baseline = descendants(os.getpid())
+    answers: list[tuple[bool, str]] = []
+
+    def drain(_beacon: dict) -> None:
+        gcs = ray._raylet.GcsClient(address=ray_driver.gcs_address)
+        deadline_ms = int(time.time() * 1000) + 60_000
+        node = ray.get_runtime_context().get_node_id()  # the one node of the session's head: the ranks' too
+        answers.append(gcs.drain_node(node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test: preempted", deadline_ms))
+
+    watcher = _once_at(tmp_path, 1, 6, drain)
+    try:
+        run = _run(tmp_path, "params.kill_at=-1", f"params.marker={tmp_path / 'unused'}", "params.step_sleep_s=0.15")
+    finally:
+        watcher.join(5)
+    assert answers and answers[0][0], answers  # the GCS took the drain
+    result = run.result
+    failure = result["failure"]
+    assert run.exit_code == 130 and failure["failure_class"] == "preempted", failure
+    (attempt,) = result["stages"][0]["attempts"]
+    assert 6 <= attempt["checkpoint_step"] < 24 and attempt["lost_steps"] == 0, attempt
+    assert all(r["result"]["stopped_early"] for r in result["ranks"]), result["ranks"]
+    log = "".join(p.read_text() for p in (run.run_dir / "world2" / "logs").glob("*.log"))
+    assert "Ray is draining node" in log and "stop notice to every rank" in log, log[-2000:]
     _left_nothing(ray_driver, run, baseline)
