@@ -43,6 +43,9 @@ STACK_DUMP_WAIT_S = 1.0
 # Tries on a freshly chosen rendezvous port when another process took the one we chose before
 # the agent bound it (not restarts: nothing of the job ran).
 PORT_RETRIES = 3
+# After a stop notice, how long to listen for a rank saying its job watches ctx.should_stop before
+# stopping the stage at once (a job that began watching just now: its beacon is on its way)
+NOTICE_LISTEN_S = 1.5
 
 
 class StopRequest:
@@ -213,9 +216,9 @@ def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events:
         if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
             return _Watch(RunStatus.FAILED)
         if stop and notice is None:
-            notice = _Notice.send(handle, state, events)
-            if notice is None:
-                return _Watch(RunStatus.INTERRUPTED)  # no rank's job watches ctx.should_stop: stop it now
+            notice = _Notice.send(handle)
+        if notice is not None and not notice.heard(state, events):
+            return _Watch(RunStatus.INTERRUPTED)  # no rank's job watches ctx.should_stop: stopped now
         if notice is not None and notice.expired():
             events.message(f"the ranks did not return within preemption.grace_s={plan.restart.stop_grace_s:g}s: stopping them")
             return _Watch(RunStatus.INTERRUPTED, noticed=True)
@@ -248,22 +251,28 @@ def _tell_resume(state: StageState, events: RunEvents) -> bool:
 
 @dataclass
 class _Notice:
-    """A stop notice sent to the ranks: they save and return before ``deadline``, or are stopped."""
+    """A stop notice sent to every rank: a job that watches ``ctx.should_stop`` saves and returns
+    before ``deadline``, or is stopped. Whether any does is known from the ranks' beacons; one
+    that began watching just now may not have said so yet, hence ``NOTICE_LISTEN_S``."""
 
-    deadline: float
+    sent_at: float
+    grace_s: float
+    watching: bool = False
 
     @classmethod
-    def send(cls, handle: StageHandle, state: StageState, events: RunEvents) -> "_Notice | None":
-        """Tell every rank to stop, if any rank's job watches ``ctx.should_stop`` (else None)."""
-        if not any(b.watches_stop for b in state.beacons.values()):
-            return None
-        grace = handle.plan.restart.stop_grace_s
-        handle.signal_ranks(STOP_NOTICE_SIGNAL)
-        events.message(f"stop notice sent to every rank: {grace:g}s to save a checkpoint and return (again to stop at once)")
-        return cls(time.monotonic() + grace)
+    def send(cls, handle: StageHandle) -> "_Notice":
+        handle.signal_ranks(STOP_NOTICE_SIGNAL)  # harmless to a job that does not watch: it is stopped anyway
+        return cls(time.monotonic(), handle.plan.restart.stop_grace_s)
+
+    def heard(self, state: StageState, events: RunEvents) -> bool:
+        """Whether to wait for the ranks: some rank's job watches the notice, or may still say so."""
+        if not self.watching and any(b.watches_stop for b in state.beacons.values()):
+            self.watching = True
+            events.message(f"stop notice sent to every rank: {self.grace_s:g}s to save a checkpoint and return (again to stop at once)")
+        return self.watching or time.monotonic() - self.sent_at < NOTICE_LISTEN_S
 
     def expired(self) -> bool:
-        return time.monotonic() > self.deadline
+        return time.monotonic() > self.sent_at + self.grace_s
 
 
 def _diagnose_hang(handle: StageHandle, state: StageState, stall: Stall, events: RunEvents) -> HangDiagnosis:

@@ -109,6 +109,7 @@ class StopNotice:
         self._at: float | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._previous_term: Any = None
+        self.on_watch: Callable[[], None] = lambda: None
 
     def __enter__(self) -> "StopNotice":
         _NOTICES.append(self)
@@ -123,6 +124,7 @@ class StopNotice:
         if self.watched:
             return
         self.watched = True
+        self.on_watch()  # the launcher hears of it at once (its next beacon), not half a second later
         if _NOTICES and _NOTICES[-1] is self:
             try:
                 self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -174,6 +176,7 @@ class StopNotice:
         import torch
         import torch.distributed as dist
 
+        flag = None
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
@@ -181,7 +184,9 @@ class StopNotice:
         if self._agreed:
             self._pending = None
             return True
-        flag = torch.tensor([1 if self._at is not None else 0], dtype=torch.int32)
+        if flag is None:
+            flag = torch.zeros(1, dtype=torch.int32)
+        flag.fill_(1 if self._at is not None else 0)  # the same small tensor every call: its all-reduce is done
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag)
         return False
 

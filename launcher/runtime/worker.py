@@ -199,6 +199,7 @@ class _Rank:
         r = self.report
         notice = StopNotice(self.config.stop_grace_s, r.world_size)
         self.beacon.watches_stop = lambda: notice.watched
+        notice.on_watch = self.beacon.write
         checkpoint = Checkpoints(
             self.config, rank=r.rank, world_size=r.world_size, local_rank=r.local_rank, device=device,
             on_saved=self._saved, on_resumed=self._resumed,

@@ -57,6 +57,7 @@ def fast_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runloop, "PROGRESS_EVERY_S", 0.0)  # a progress event every poll
     monkeypatch.setattr(runloop, "FAILURE_GRACE_S", 0.05)
     monkeypatch.setattr(runloop, "STACK_DUMP_WAIT_S", 0.0)
+    monkeypatch.setattr(runloop, "NOTICE_LISTEN_S", 0.05)
 
 
 class Plans:
@@ -472,7 +473,8 @@ def test_stop_request_at_a_given_poll(tmp_path: Path) -> None:
     backend = scripted(Attempt(polls=[BOTH_RUNNING, Step(), Step(effect=ctrl_c)]))
     outcome = run(Plans(tmp_path), backend, stop=stop)
     (b,) = backend.instances
-    assert b.polls_before_stop == 3 and b.calls[-3:] == ["stop", "collect", "poll"]
+    # the notice goes out with the stop; no job watches it, so the stage is stopped a moment later
+    assert b.calls[:5] == ["start", "poll", "poll", "poll", "signal_ranks:SIGUSR2"] and b.calls[-3:] == ["stop", "collect", "poll"]
     assert outcome.status == RunStatus.INTERRUPTED
     assert outcome.failure.summary == "interrupted (SIGTERM)" and outcome.failure.collateral_ranks == ()
     assert [r.last_phase for r in outcome.reports] == ["running", "running"]
@@ -628,10 +630,12 @@ def test_a_stop_notice_that_the_ranks_do_not_answer_in_time_stops_them(tmp_path:
     assert "it saved no checkpoint" in outcome.failure.summary
 
 
-def test_a_stop_without_a_watching_job_stops_at_once_without_a_notice(tmp_path: Path) -> None:
+def test_a_stop_without_a_watching_job_stops_it_without_waiting_the_grace(tmp_path: Path) -> None:
     stop = StopRequest()
     backend = scripted(Attempt(polls=[BOTH_RUNNING, Step(effect=lambda s: stop.set("SIGINT"))]))
+    t0 = time.monotonic()
     outcome = run(Plans(tmp_path, "preemption: {grace_s: 30}\n"), backend, stop=stop)
     (b,) = backend.instances
-    assert b.signals == [] and outcome.status == RunStatus.INTERRUPTED
+    assert time.monotonic() - t0 < 10  # the listen (0.05 s here), not the 30 s grace
+    assert b.signals == [signal.SIGUSR2] and outcome.status == RunStatus.INTERRUPTED
     assert outcome.failure.failure_class == FailureClass.STOPPED and outcome.failure.summary == "interrupted (SIGINT)"
