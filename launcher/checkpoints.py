@@ -115,6 +115,11 @@ def file_digest(path: Path) -> FileDigest:
     return FileDigest(size, digest.hexdigest())
 
 
+def digest_of(payload: bytes) -> FileDigest:
+    """The digest of bytes in memory, as ``file_digest`` gives a file's."""
+    return FileDigest(len(payload), hashlib.sha256(payload).hexdigest())
+
+
 def write_manifest(folder: Path, manifest: Manifest) -> None:
     path = folder / MANIFEST
     with open(path, "w") as handle:
@@ -123,8 +128,9 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
         os.fsync(handle.fileno())
 
 
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """A file's bytes, or a folder's entries, on disk before this returns."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -134,7 +140,7 @@ def fsync_dir(folder: Path) -> None:
 def publish(partial: Path, final: Path) -> bool:
     """Make a written checkpoint complete: one rename. False when another writer published the
     same step first (a filesystem every host shares); its copy stays and ours goes."""
-    fsync_dir(partial)
+    fsync_path(partial)
     try:
         os.rename(partial, final)
     except OSError:
@@ -142,7 +148,7 @@ def publish(partial: Path, final: Path) -> bool:
             shutil.rmtree(partial, ignore_errors=True)
             return False
         raise
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     return True
 
 

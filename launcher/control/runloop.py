@@ -232,21 +232,13 @@ def _watch(handle: StageHandle, state: StageState, *, stop: StopRequest, events:
                 events.message(change.describe())
             events.progress(progress)
             next_progress = time.monotonic() + PROGRESS_EVERY_S
-            if not resumed_told:
-                resumed_told = _tell_resume(state, events)
+            if progress.resumed_step is not None and not resumed_told:
+                events.message(f"attempt {state.restarts + 1}: the job resumed from the checkpoint of step {progress.resumed_step}")
+                resumed_told = True
             stall = stalls.update(progress)
             if stall is not None:
                 return _Watch(RunStatus.HUNG, hang=_diagnose_hang(handle, state, stall, events))
         time.sleep(max(0.0, MIN_TURN_S - (time.monotonic() - turn)))
-
-
-def _tell_resume(state: StageState, events: RunEvents) -> bool:
-    """Once a rank says the job resumed from a checkpoint: which step, in which attempt."""
-    steps = [b.resumed_step for b in state.beacons.values() if b.resumed_step is not None]
-    if not steps:
-        return False
-    events.message(f"attempt {state.restarts + 1}: the job resumed from the checkpoint of step {max(steps)}")
-    return True
 
 
 @dataclass

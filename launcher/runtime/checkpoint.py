@@ -18,7 +18,6 @@ fresh start. Files are written under a temporary name and published by a rename 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import signal
@@ -35,9 +34,10 @@ from launcher.checkpoints import (
     FileDigest,
     Manifest,
     check_files,
-    complete_steps,
+    digest_of,
     drop_partials,
     file_digest,
+    fsync_path,
     latest,
     partial_dir,
     prune,
@@ -305,11 +305,9 @@ class Checkpoints:
     def _save_replicated(self, state: Mapping[str, Any], step: int) -> Path | None:
         import torch
 
-        shared = self._shared_dir()
-        leaders = self._layout()
-        if shared or len(leaders) == 1:
+        if self._shared_dir():  # one host, or one filesystem for all: rank 0 writes the one copy
             return self._write_stream(torch, state, step) if self.rank == 0 else None
-        if self.rank not in leaders:
+        if self.rank not in self._layout():
             return None
         payload = [None]
         if self.rank == 0:
@@ -333,13 +331,13 @@ class Checkpoints:
         torch.save(state, path)
         with ThreadPoolExecutor(1) as pool:
             digest = pool.submit(file_digest, path)
-            _fsync(path)
+            fsync_path(path)
             return self._publish(partial, step, {STATE_FILE: digest.result()})
 
     def _write_bytes(self, payload: bytes, step: int) -> Path:
         partial = self._partial(step)
         with ThreadPoolExecutor(1) as pool:
-            digest = pool.submit(_digest_of, payload)  # beside the write and its fsync (both let go of the GIL)
+            digest = pool.submit(digest_of, payload)  # beside the write and its fsync (both let go of the GIL)
             with open(partial / STATE_FILE, "wb") as handle:
                 handle.write(payload)
                 handle.flush()
@@ -454,7 +452,7 @@ class Checkpoints:
 
         path, expected = folder / STATE_FILE, manifest.files.get(STATE_FILE)
         with ThreadPoolExecutor(1) as pool:
-            digest = pool.submit(_digest_of, payload)
+            digest = pool.submit(digest_of, payload)
             try:
                 state = torch.load(io.BytesIO(payload), map_location=map_location or self.device, weights_only=True)
             except Exception:
@@ -474,10 +472,6 @@ class Checkpoints:
         dcp.load(state, checkpoint_id=str(folder))
         return Restored(state, manifest.step, folder, manifest)
 
-    def steps_on_disk(self) -> list[int]:
-        """The complete checkpoints in this host's directory (what ``keep`` left)."""
-        return [step for step, _ in complete_steps(self.root)]
-
 
 def _read_state(folder: Path) -> bytes:
     """The state file of a replicated checkpoint (checked against its digest as it is parsed)."""
@@ -488,18 +482,6 @@ def _read_state(folder: Path) -> bytes:
         raise CheckpointError(f"checkpoint {path}: cannot read it ({exc.strerror or exc}); delete {folder} to drop the checkpoint") from None
 
 
-def _digest_of(payload: bytes) -> FileDigest:
-    return FileDigest(len(payload), hashlib.sha256(payload).hexdigest())
-
-
 def _check_digest(path: Path, folder: Path, expected: FileDigest | None, got: FileDigest) -> None:
     if expected is None or got != expected:
         raise CheckpointError(f"checkpoint {path}: its contents differ from its manifest (sha256 {got.sha256[:12]}...); delete {folder} to drop the checkpoint")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
