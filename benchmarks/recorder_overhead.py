@@ -122,48 +122,15 @@ def step_loop(torch: Any, device: Any, steps: int, reps: int, target_ms: float =
 
 
 def sync_debug_check(torch: Any, device: Any, steps: int) -> dict[str, Any]:
-    """A training-like loop under set_sync_debug_mode("error"): any host sync in it raises.
-
-    The loop runs first without the recorder (if that raises, the loop itself syncs and the check
-    says so), then with ``timer``, ``log`` (a device tensor and a float) and ``step`` every step.
-    """
+    """A training-like loop under set_sync_debug_mode("error") with the recorder logging every
+    step: the selftest's own check (``launcher.workloads.probes.recorder_sync_check``), so that the
+    benchmark and ``launch selftest`` measure it one way."""
     from launcher.runtime.metrics import MetricsRecorder
+    from launcher.workloads.probes import recorder_sync_check
 
-    def loop(rec: Any | None) -> str | None:
-        w = torch.randn(256, 256, device=device, requires_grad=True)
-        x = torch.randn(64, 256, device=device)
-        opt = torch.optim.SGD([w], lr=1e-3)
-        torch.cuda.synchronize(device)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(steps):
-                if rec is None:
-                    loss = (x @ w).square().mean()
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    continue
-                with rec.timer("step"):
-                    loss = (x @ w).square().mean()
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                rec.log("loss", loss)
-                rec.log("lr", 1e-3)
-                rec.step()
-        except RuntimeError as exc:
-            return str(exc)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return None
-
-    baseline_error = loop(None)
-    rec = MetricsRecorder(device)
-    error = loop(rec)
-    host = rec.to_host()
-    return {"steps": steps, "baseline_error": baseline_error, "error": error,
-            "host_syncs_in_loop": 0 if error is None else ">= 1",
-            "values_copied": len(host["values"].get("loss", [])), "timers": len(host["times_ms"].get("step", []))}
+    got = recorder_sync_check(device, MetricsRecorder(device), steps)
+    return {"steps": steps, "baseline_error": got.baseline_sync, "error": got.device_sync, "host_reads": got.host_reads,
+            "host_syncs_in_loop": 0 if got.clean else ">= 1", "values_copied": got.values_kept}
 
 
 def main(argv: list[str] | None = None) -> int:

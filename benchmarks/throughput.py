@@ -31,22 +31,14 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 
-# Dense (no sparsity) datasheet peaks in TFLOP/s, by dtype; matched against nvidia-smi's name.
-# Sources: NVIDIA H100 and H200 datasheets, A100 datasheet (float32 = FP32 CUDA cores, no TF32).
-GPU_PEAK_TFLOPS = {
-    "H200": {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4},
-    "H100 PCIe": {"float32": 51.2, "tf32": 378.0, "bfloat16": 756.0, "float16": 756.0},
-    "H100 NVL": {"float32": 60.0, "tf32": 417.5, "bfloat16": 835.0, "float16": 835.0},
-    "H100": {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4},  # SXM5
-    "A100": {"float32": 19.5, "tf32": 156.0, "bfloat16": 312.0, "float16": 312.0},
-}
-
-
 def gpu_peak(name: str, dtype: str) -> float | None:
-    for key, peaks in GPU_PEAK_TFLOPS.items():  # most specific names first
-        if key in name:
-            return peaks.get(dtype)
-    return None
+    """The datasheet's dense peak for ``dtype`` (the selftest's table: ``launcher.hardware``)."""
+    from launcher.hardware import gpu_peaks
+
+    peaks = gpu_peaks(name)
+    if peaks is None:
+        return None
+    return {"float32": peaks.fp32_tflops, "tf32": peaks.tf32_tflops, "bfloat16": peaks.bf16_tflops, "float16": peaks.bf16_tflops}.get(dtype)
 
 
 def config(args: Any, cuda: bool) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""What a node has: its GPUs (from NVML's command-line face, nvidia-smi) and CPU cores.
+"""What a node has: its GPUs (from NVML, else from its command-line face, nvidia-smi) and CPU cores.
 
 Also the device helpers of d2l's "GPUs" chapter (``cpu``, ``gpu``, ``num_gpus``, ``try_gpu``,
 ``try_all_gpus``). Discovery never imports torch, so ``launch devices`` answers instantly; the
@@ -15,7 +15,9 @@ import shutil
 import socket
 import subprocess
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from launcher.runtime.nvml import NvmlInventory, read_inventory
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +42,7 @@ class NodeInventory:
     hostname: str
     cpu_count: int
     gpus: tuple[GpuInfo, ...] = ()
-    source: str = "none"  # where the GPU list came from: nvidia-smi, recorded, none
+    source: str = "none"  # where the GPU list came from: nvml, nvidia-smi, recorded, none
     cuda_visible_devices: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -52,7 +54,7 @@ class NodeInventory:
         return json.dumps(asdict(self), indent=2)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "NodeInventory":
+    def from_dict(cls, data: dict[str, Any]) -> "NodeInventory":
         gpus = tuple(GpuInfo(**g) for g in data.get("gpus", ()))
         return cls(
             hostname=data["hostname"],
@@ -144,14 +146,52 @@ def run_nvidia_smi() -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def gpus_from_nvml(inventory: NvmlInventory) -> list[GpuInfo]:
+    """NVML's readings as this module's GpuInfo (physical numbering: CUDA_VISIBLE_DEVICES applies after)."""
+    return [
+        GpuInfo(
+            index=g.index,
+            physical_index=g.index,
+            name=g.name,
+            memory_total_mib=g.memory_total_mib,
+            memory_used_mib=g.memory_used_mib,
+            utilization_pct=g.utilization_gpu_pct,
+            uuid=g.uuid,
+        )
+        for g in inventory.gpus
+    ]
+
+
+def _physical_gpus(query: Callable[[], str | None] | None, nvml: Any | None, source: str, notes: list[str]) -> tuple[list[GpuInfo] | None, str]:
+    """Every GPU of the node and where the list came from: NVML (in process, no subprocess to
+    start) unless the caller hands nvidia-smi output, then nvidia-smi. None: no driver at all."""
+    if query is None:
+        inventory = read_inventory(nvml)
+        if inventory is not None:
+            return gpus_from_nvml(inventory), "nvml"
+        query = run_nvidia_smi
+    raw = query()
+    if raw is None:
+        notes.append("no NVIDIA driver found (nvidia-smi missing or failing)")
+        return None, "none"
+    try:
+        return parse_nvidia_smi_csv(raw), source
+    except ValueError as exc:
+        notes.append(f"could not read nvidia-smi output: {exc}")
+        return [], "none"
+
+
 def discover(
     *,
-    query: Callable[[], str | None] = run_nvidia_smi,
+    query: Callable[[], str | None] | None = None,
     env: dict[str, str] | None = None,
     source: str = "nvidia-smi",
     visible_override: str | None = None,
+    nvml: Any | None = None,
 ) -> NodeInventory:
-    """This node's inventory. ``query`` returns nvidia-smi CSV; tests pass recorded output.
+    """This node's inventory: from NVML (``nvml``: the pynvml module by default, or a
+    ``RecordedNvml``), else from nvidia-smi. ``query`` returns nvidia-smi CSV instead (tests pass
+    recorded output); ``source`` names what it gave.
 
     ``visible_override``: a ``CUDA_VISIBLE_DEVICES`` the job's own env sets for its processes;
     it replaces this process's, as it will for them.
@@ -159,17 +199,10 @@ def discover(
     env = dict(os.environ) if env is None else env
     visible = visible_override if visible_override is not None else env.get("CUDA_VISIBLE_DEVICES")
     notes: list[str] = []
-    raw = query()
+    physical, source = _physical_gpus(query, nvml, source, notes)
     gpus: list[GpuInfo] = []
-    if raw is None:
-        source = "none"
-        notes.append("no NVIDIA driver found (nvidia-smi missing or failing)")
-    else:
-        try:
-            gpus = apply_visible_devices(parse_nvidia_smi_csv(raw), visible)
-        except ValueError as exc:
-            source = "none"
-            notes.append(f"could not read nvidia-smi output: {exc}")
+    if physical is not None:
+        gpus = apply_visible_devices(physical, visible)
         if visible is not None:
             origin = "the job's env: " if visible_override is not None else ""
             notes.append(f"{origin}CUDA_VISIBLE_DEVICES={visible!r} exposes {len(gpus)} GPU(s)")

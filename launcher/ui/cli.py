@@ -29,7 +29,7 @@ def _run_parser() -> _Parser:
         prog="launch",
         description="Run a YAML job spec on every GPU of one or more nodes (torchrun, Ray or Slurm).",
         epilog=(
-            "other commands: launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR|JOB_DIR | launch resume RUN_DIR | launch runs [JOB] | "
+            "other commands: launch selftest [--quick|--full] [--json] [--cluster FILE] | launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR|JOB_DIR | launch resume RUN_DIR | launch runs [JOB] | "
             "launch status|logs|stop JOB_ID [--address URL] (a Ray job, or a numeric Slurm job id)"
         ),
     )
@@ -162,6 +162,41 @@ def cmd_resume(argv: Sequence[str]) -> int:
     return result.exit_code
 
 
+def cmd_selftest(argv: Sequence[str]) -> int:
+    p = _Parser(
+        prog="launch selftest",
+        description=(
+            "Check this node's GPUs, links and the launcher's own GPU paths (or every host of a cluster file, at once): "
+            "one rank per GPU, each figure against the hardware's limit; selftest.json in the run directory. "
+            "Exit 0: passed; 1: a check failed or a figure is low."
+        ),
+    )
+    speed = p.add_mutually_exclusive_group()
+    speed.add_argument("--quick", action="store_const", dest="level", const="quick", help="about 30 s")
+    speed.add_argument("--full", action="store_const", dest="level", const="full", help="every size and sweep (under 8 min on an 8-GPU node)")
+    p.add_argument("--json", action="store_true", help="print selftest.json on stdout (the table goes to stderr)")
+    p.add_argument("--cluster", help="cluster file: run on every host listed (cross-node all-reduce included)")
+    p.add_argument("--out", default="runs", help="root of run directories (default: runs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field of the selftest's spec")
+    p.add_argument("--quiet", action="store_true", help="no rank output on the console (logs still written)")
+    args = p.parse_args(argv)
+    from rich.console import Console
+
+    from launcher.control.selftest import run_selftest
+    from launcher.ui.console import RunUI
+
+    console = Console(stderr=True) if args.json else Console()
+    ui = RunUI(console, quiet=args.json or args.quiet)
+    outcome = run_selftest(args.level or "default", cluster=args.cluster, out=args.out, overrides=args.overrides, events=ui)
+    if args.json:
+        print(json.dumps(outcome.report, indent=2, default=str))
+    else:
+        console.print(f"selftest.json: {outcome.report_path}", markup=False, highlight=False, soft_wrap=True)
+    if outcome.result.exit_code != EXIT_OK:
+        return outcome.result.exit_code
+    return EXIT_OK if outcome.passed else EXIT_JOB_FAILED
+
+
 def cmd_report(argv: Sequence[str]) -> int:
     p = _Parser(prog="launch report", description="Re-render the table and plots of a past run.")
     p.add_argument("run_dir")
@@ -226,6 +261,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "validate": cmd_validate,
     "report": cmd_report,
     "resume": cmd_resume,
+    "selftest": cmd_selftest,
     "runs": cmd_runs,
     "status": _job_command("status"),
     "logs": _job_command("logs"),
