@@ -160,6 +160,9 @@ class WorkerConfig:
     job_identity: str = ""
     attempt: int = 0  # 0 for the stage's first start, then one more per restart
     stop_grace_s: float = 60.0  # a stop notice's deadline: the seconds the job has to save and return
+    # each GPU rank checks its own GPU's health through NVML before it joins the group (spec:
+    # preflight.gpu_health): the check reaches the hosts no preflight logs in to (Ray, Slurm nodes)
+    gpu_health: bool = False
 
     @property
     def paths(self) -> StagePaths:

@@ -108,10 +108,11 @@ class AttemptRecord:
     lost_steps: int | None = None  # steps done after that checkpoint: what the next attempt does again
     restarted: bool = False
     decision: str = ""  # why it was, or was not, restarted
+    world_size: int | None = None  # its ranks (an elastic world's attempt after a lost host has fewer)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "attempt": self.attempt, "status": self.status.value, "started_at": self.started_at, "ended_at": self.ended_at,
+            "attempt": self.attempt, "world_size": self.world_size, "status": self.status.value, "started_at": self.started_at, "ended_at": self.ended_at,
             "failure_class": self.failure_class.value if self.failure_class else None, "cause": self.cause, "steps": self.steps,
             "resumed_step": self.resumed_step, "checkpoint_step": self.checkpoint_step, "lost_steps": self.lost_steps,
             "restarted": self.restarted, "decision": self.decision,
@@ -350,3 +351,77 @@ class StageOutcome:
     @property
     def ok(self) -> bool:
         return self.status == RunStatus.SUCCEEDED
+
+
+@dataclass(frozen=True)
+class LinkMeasure:
+    """One directed link between two hosts, as the preflight's network check measured it."""
+
+    src: str  # host names, as the cluster file has them
+    dst: str
+    gbit_s: float | None  # payload throughput, 10^9 bits per second; None: no figure (see ``error``)
+    latency_ms: float | None  # half the median round trip of a one-byte ping
+    error: str | None = None  # why there is no figure: the peer did not answer on the job's interface, ...
+
+    def describe(self) -> str:
+        if self.gbit_s is None:
+            return f"{self.src} -> {self.dst}: {self.error or 'no figure'}"
+        latency = self.latency_ms or 0.0
+        said = f"{latency * 1e3:.3g} us" if latency < 1 else f"{latency:.3g} ms"
+        return f"{self.src} -> {self.dst}: {self.gbit_s:.3g} Gbit/s, {said} latency"
+
+
+@dataclass(frozen=True)
+class NetworkCheck:
+    """The preflight's network check: every link it measured (a ring, each way), the median, and
+    the verdict: links under ``min_fraction`` of the median, hosts that could not be reached, and
+    the hosts to blame (on every slow link of theirs, or unreachable)."""
+
+    links: tuple[LinkMeasure, ...]
+    median_gbit_s: float | None
+    min_fraction: float
+    slow: tuple[str, ...]  # "slow link node-a <-> node-c: 0.9 Gbit/s vs 9.6 median"
+    unreachable: tuple[str, ...]  # "node-c: no answer on eth0 within 3 s (from node-b)"
+    bad_hosts: tuple[str, ...]  # the hosts the problems point at (may be empty when a link is ambiguous)
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.slow and not self.unreachable
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class HostSwap:
+    """A host left out before the start, and the spare that took its place (None: none was needed,
+    it was a spare itself, or none was left)."""
+
+    host: str
+    reasons: tuple[str, ...]
+    replaced_by: str | None
+
+    def describe(self) -> str:
+        why = "; ".join(r.removeprefix(f"{self.host}: ") for r in self.reasons)
+        taken = f": the spare {self.replaced_by} takes its place" if self.replaced_by else ""
+        return f"{self.host} left out ({why}){taken}"
+
+
+@dataclass(frozen=True)
+class PreflightRecord:
+    """What the checks before the start decided: the hosts used, the spares kept, the hosts left out
+    and why, and the network check's links (``result.json``'s ``preflight``)."""
+
+    hosts: tuple[str, ...]
+    spares: tuple[str, ...] = ()
+    left_out: tuple[HostSwap, ...] = ()
+    network: NetworkCheck | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)

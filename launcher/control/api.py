@@ -25,10 +25,10 @@ from launcher import backends
 from launcher.control.planning import RunSizing, check_node_split, checkpoint_root, make_plans, plan_stage, size_run
 from launcher.control.resume import LAUNCH_FILE, LaunchRecord, check_checkpoint_dirs, check_unchanged, finished_stages, record_launch, set_aside
 from launcher.control.runloop import StopRequest, run_stage
-from launcher.errors import EXIT_BAD_INPUT, LauncherError
+from launcher.errors import EXIT_BAD_INPUT, LauncherError, PlanError
 from launcher.masking import mask_env
 from launcher.procutil import free_port, handling_stop_signals
-from launcher.records import BackendName, Failure, FailureReason, StageOutcome, new_run_id
+from launcher.records import BackendName, Failure, FailureReason, PreflightRecord, StageOutcome, new_run_id
 from launcher.results.aggregate import aggregate
 from launcher.results.hooks import make_plots, run_summarize, workload_module
 from launcher.results.series import default_summary
@@ -67,16 +67,58 @@ def cluster_path(job: LoadedJob, cluster: str | None) -> Path | None:
 
 
 def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
-    """This machine, or every host of a cluster file after its preflight checks. A
-    ``CUDA_VISIBLE_DEVICES`` in the job's env is what its ranks will see, so it is what counts."""
+    """This machine, or every usable host of a cluster file after its preflight checks (no
+    network check: for planning and ``--dry-run``). A ``CUDA_VISIBLE_DEVICES`` in the job's env
+    is what its ranks will see, so it is what counts."""
     path = cluster_path(job, cluster)
     if path is None:
         return [local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))]
     check_node_split(job)  # decided by the spec alone: no host is contacted for it
-    from launcher.backends.ssh import preflight
+    from launcher.backends.ssh import preflight_hosts
     from launcher.spec.cluster import load_cluster
 
-    return preflight(load_cluster(path), job)
+    hosts = load_cluster(path)
+    check_cluster_size(job, len(hosts.hosts), path)
+    return preflight_hosts(hosts, job, network=False).targets
+
+
+def preflight_nodes(job: LoadedJob, cluster: str | None) -> tuple[list[NodeTarget], PreflightRecord | None]:
+    """The hosts a run starts on, checked: this machine's GPUs (refused, exit 2, when one the job
+    would use is unhealthy), or every host of a cluster file, its GPUs and the links between them,
+    a failed host replaced by a spare (``launcher.backends.ssh.preflight_hosts``)."""
+    path = cluster_path(job, cluster)
+    if path is None:
+        node = local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))
+        check_local_gpus(job, node)
+        return [node], None
+    check_node_split(job)
+    from launcher.backends.ssh import preflight_hosts
+    from launcher.spec.cluster import load_cluster
+
+    hosts = load_cluster(path)
+    check_cluster_size(job, len(hosts.hosts), path)
+    outcome = preflight_hosts(hosts, job)
+    return outcome.targets, outcome.record
+
+
+def check_cluster_size(job: LoadedJob, hosts: int, path: Path) -> None:
+    """More hosts asked for (``nodes``, or an elastic world's ``min``) than the cluster file lists:
+    refused before any host is contacted."""
+    res = job.spec.resources
+    if res.fewest_nodes > hosts:
+        asked = f"at least {res.fewest_nodes} (min)" if res.elastic else str(res.nodes)
+        raise PlanError(f"{job.path}: resources.nodes: {asked} node(s) requested but {path} lists {hosts} host(s)")
+
+
+def check_local_gpus(job: LoadedJob, node: NodeTarget) -> None:
+    """This machine's GPUs the job would use, as NVML sees them: every problem, or nothing."""
+    settings, wanted = job.spec.preflight, job.spec.resources.gpus_used()
+    if not settings.gpu_health or wanted == 0:
+        return
+    problems = node.inventory.unfit_gpus(wanted, min_free_fraction=settings.min_free_gpu_memory)
+    if problems:
+        hint = "preflight.gpu_health: false (or CUDA_VISIBLE_DEVICES without that GPU) to run anyway"
+        raise LauncherError("\n".join([*problems, f"preflight: nothing was started; {hint}"]), exit_code=EXIT_BAD_INPUT)
 
 
 @dataclass
@@ -87,14 +129,18 @@ class HostPool:
 
     active: list[NodeTarget]
     spares: list[NodeTarget]
+    fewest: int = 0  # an elastic world goes on without a lost host while this many are left (0: not elastic)
 
     @classmethod
     def of(cls, job: LoadedJob, nodes: Sequence[NodeTarget]) -> "HostPool":
-        wanted = job.spec.resources.nodes
-        return cls(list(nodes[:wanted]), list(nodes[wanted:])) if len(nodes) > wanted else cls(list(nodes), [])
+        wanted, res = job.spec.resources.nodes, job.spec.resources
+        fewest = res.fewest_nodes if res.elastic else 0
+        return cls(list(nodes[:wanted]), list(nodes[wanted:]), fewest) if len(nodes) > wanted else cls(list(nodes), [], fewest)
 
     def replace_lost(self, hosts: set[str]) -> str:
-        """Put a spare where each lost host was (its node rank: the plan keeps its shape); what happened, in one line."""
+        """Put a spare where each lost host was (its node rank: the plan keeps its shape), or, in an
+        elastic world with no spare left, go on without it while ``fewest`` hosts remain; what
+        happened, in one line."""
         said = []
         for name in sorted(hosts):
             index = next((i for i, n in enumerate(self.active) if n.name == name), None)
@@ -104,6 +150,9 @@ class HostPool:
                 spare = self.spares.pop(0)
                 self.active[index] = spare
                 said.append(f"{name} lost: its ranks go to the spare host {spare.name}")
+            elif self.fewest and len(self.active) - 1 >= self.fewest:
+                del self.active[index]
+                said.append(f"{name} lost and no spare host is left: the job goes on with {len(self.active)} host(s) (elastic, at least {self.fewest})")
             else:
                 said.append(f"{name} lost and no spare host is left: the restart tries it again")
         return "; ".join(said)
@@ -250,8 +299,10 @@ def run_job(
     nodes: list[NodeTarget] | None = None
     sizing: RunSizing | None = None
     pool: HostPool | None = None
+    preflight: PreflightRecord | None = None
     if not runner.plans_on_own_cluster:
-        pool = HostPool.of(loaded, resolve_nodes(loaded, cluster))  # hosts beyond resources.nodes are spares
+        checked, preflight = preflight_nodes(loaded, cluster)
+        pool = HostPool.of(loaded, checked)  # hosts beyond resources.nodes are spares
         nodes = pool.active
         sizing = size_run(loaded, nodes)  # impossible requests fail here, before anything is spawned
     run_id = Path(run_dir).name if run_dir else new_run_id()
@@ -266,6 +317,8 @@ def run_job(
     started = time.time()
     for line in found:
         events.message(line)
+    for line in preflight_lines(preflight):
+        events.message(line)
     with _stop_on_signals(stop), _serving_metrics(loaded, run_id, runner.name, events, metrics) as watched:
         with runner.session(loaded):
             if pool is None:  # a Ray cluster, a Slurm allocation: plan on what it has, known once connected
@@ -275,7 +328,21 @@ def run_job(
             if pool.spares:
                 watched.message(f"spare host(s) {', '.join(n.name for n in pool.spares)}: used when a host is lost")
             outcomes, cut_short = _run_stages(loaded, runner, pool, sizing, run_dir, stop, watched, kept=kept if resume else None)
-        return finish_run(loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short)
+        return finish_run(loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short, preflight=preflight)
+
+
+def preflight_lines(record: PreflightRecord | None) -> list[str]:
+    """What the console says of the preflight: each host left out (and its spare), the links."""
+    if record is None:
+        return []
+    lines = [swap.describe() for swap in record.left_out]
+    net = record.network
+    if net is not None and net.median_gbit_s is not None:
+        slowest = min((link for link in net.links if link.gbit_s is not None), key=lambda link: link.gbit_s or 0.0)
+        hosts = len({link.src for link in net.links} | {link.dst for link in net.links})
+        lines.append(f"network: {len(net.links)} links between {hosts} hosts in {net.seconds:.1f} s, "
+                     f"median {net.median_gbit_s:.3g} Gbit/s, slowest {slowest.describe()}")
+    return lines
 
 
 def resume_run(
@@ -377,7 +444,7 @@ def _run_stages(
             return outcomes, Failure(FailureReason.INTERRUPTED, f"stopped by {stop.reason} before the stage of world size {size}")
         events.stage_started(loaded.spec.name, size, device_type, engine.name)
         try:
-            plans = _plan_factory(loaded, pool, size, device_type, run_dir, engine.name)
+            plans = _plan_factory(loaded, pool, size, sizing, run_dir, engine.name)
             outcome = run_stage(plans, engine, stop=stop, events=events, replace_hosts=pool.replace_lost)
         except LauncherError as exc:  # the stage could not start (a host, a port, an agent)
             reason = FailureReason.INTERRUPTED if stop else FailureReason.NOT_STARTED
@@ -390,14 +457,17 @@ def _run_stages(
     return outcomes, None
 
 
-def _plan_factory(job: LoadedJob, pool: HostPool, size: int, device_type: str, run_dir: Path, backend_name: str) -> Callable[[int], StagePlan]:
+def _plan_factory(job: LoadedJob, pool: HostPool, size: int, sizing: RunSizing, run_dir: Path, backend_name: str) -> Callable[[int], StagePlan]:
     """Plans for one stage; every attempt (restart) gets a freshly chosen rendezvous port, on the
-    pool's hosts as they are then (a lost one replaced by a spare)."""
+    pool's hosts as they are then (a lost one replaced by a spare). An elastic world that lost a
+    host runs the attempt on the hosts left: fewer ranks, the stage's directory and checkpoints."""
+    nominal_nodes = len(pool.active)
 
     def make(attempt: int) -> StagePlan:
         nodes = list(pool.active)
         port = rendezvous_port(nodes)
-        return plan_stage(job, nodes, size, device_type, run_dir=run_dir, master_port=port, backend=backend_name, attempt=attempt)
+        world = size if len(nodes) == nominal_nodes else size // nominal_nodes * len(nodes)
+        return plan_stage(job, nodes, world, sizing.device_type, run_dir=run_dir, master_port=port, backend=backend_name, attempt=attempt, stage_size=size)
 
     return make
 
@@ -412,6 +482,7 @@ def finish_run(
     events: RunEvents,
     *,
     cut_short: Failure | None = None,
+    preflight: PreflightRecord | None = None,
 ) -> RunResult:
     """Aggregate, summarise, plot, write result.json and tell the watcher. ``cut_short``: the
     failure when a stage could not start, or a stop came between stages. The record is built
@@ -422,7 +493,7 @@ def finish_run(
         spec_hash=loaded.spec.fingerprint(), params=loaded.params, started_at=started, cut_short=cut_short,
     )  # fmt: skip
     module, summary = _summary(loaded, record)
-    record = replace(record, run_dir=str(run_dir), summary=summary)
+    record = replace(record, run_dir=str(run_dir), summary=summary, preflight=preflight)
     document = record.to_dict()  # what the job's plot hook and TensorBoard read, as they always have
     plots, plot_error = make_plots(document, run_dir, module)
     tensorboard, tensorboard_error = _write_tensorboard(document, run_dir)

@@ -131,9 +131,11 @@ class RunSizing:
 def size_run(job: LoadedJob, nodes: Sequence[NodeTarget]) -> RunSizing:
     """The run's sizing; raises PlanError for impossible asks (before anything is spawned)."""
     spec = job.spec
-    if spec.resources.nodes != len(nodes):
+    res = spec.resources
+    if not res.fewest_nodes <= len(nodes) <= res.nodes:
+        asked = f"{res.fewest_nodes} to {res.nodes}" if res.elastic else str(res.nodes)
         raise PlanError(
-            f"{job.path}: resources.nodes: {spec.resources.nodes} node(s) requested but "
+            f"{job.path}: resources.nodes: {asked} node(s) requested but "
             f"{len(nodes)} available; several nodes need a cluster file (--cluster configs/cluster.yaml)"
         )
     device_type = choose_device(job, nodes)
@@ -165,12 +167,15 @@ def plan_stage(
     master_port: int,
     backend: str | None,
     attempt: int = 0,
+    stage_size: int | None = None,
 ) -> StagePlan:
     """The plan of one world size, its ranks spread evenly over ``nodes`` in order; ``attempt``:
-    how many times the stage's group was started before (its restarts)."""
+    how many times the stage's group was started before (its restarts). ``stage_size``: the
+    stage's own world size when this attempt runs smaller (an elastic world that lost a host):
+    its directory, and so its checkpoints, stay the stage's."""
     spec = job.spec
     nproc = world_size // len(nodes)
-    paths = StagePaths.of(run_dir, world_size)
+    paths = StagePaths.of(run_dir, stage_size or world_size)
     threads = user_threads(spec.env, max(1, min(n.inventory.cpu_count for n in nodes) // nproc))
     slots = tuple(
         NodeSlot(i, target, nproc, threads, node_env(spec.env, target, threads, paths, multi_node=len(nodes) > 1))
@@ -233,6 +238,7 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         job_identity=job_identity_of(job),
         attempt=attempt,
         stop_grace_s=float(spec.preemption.grace_s),
+        gpu_health=spec.preflight.gpu_health,
     )
 
 

@@ -128,4 +128,5 @@ def attempt_record(
         lost_steps=progress.lost_steps if failure_class is not None else None,
         restarted=decision.restart,
         decision=decision.why,
+        world_size=outcome.world_size,
     )

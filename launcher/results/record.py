@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from launcher.records import AttemptRecord, Failure, RunStatus, Straggler
+from launcher.records import AttemptRecord, Failure, PreflightRecord, RunStatus, Straggler
 
 SCHEMA_VERSION = 1
 
@@ -70,6 +70,7 @@ class RunRecord:
     plot_error: str | None = None
     tensorboard: str | None = None  # the events' directory, relative to the run directory
     tensorboard_error: str | None = None
+    preflight: PreflightRecord | None = None  # the hosts checked before the start: left out, spares, links
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -115,6 +116,8 @@ class RunRecord:
             doc["scaling"] = self.summary["scaling"]
         if self.run_dir is not None:
             doc["run_dir"] = self.run_dir
+        if self.preflight is not None:
+            doc["preflight"] = self.preflight.to_dict()
         optional = {"plots": list(self.plots), "plot_error": self.plot_error, "tensorboard": self.tensorboard,
                     "tensorboard_error": self.tensorboard_error}  # fmt: skip
         doc.update({k: v for k, v in optional.items() if v is not None})

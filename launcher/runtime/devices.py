@@ -14,10 +14,10 @@ import os
 import shutil
 import socket
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from launcher.runtime.nvml import NvmlInventory, read_inventory
+from launcher.runtime.nvml import NvmlInventory, health_problems, read_inventory
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +35,25 @@ class GpuInfo:
     memory_used_mib: int | None
     utilization_pct: int | None
     uuid: str
+    memory_free_mib: int | None = None  # NVML only
+    health: tuple[str, ...] = ()  # NVML's problems with this GPU (``launcher.runtime.nvml.health_problems``); empty: none found
+
+    def unfit(self, min_free_fraction: float = 0.0) -> list[str]:
+        """Why a job should not run on this GPU: its health problems, and too little free memory."""
+        problems = list(self.health)
+        free = self.memory_free_mib
+        if free is None and self.memory_used_mib is not None and self.memory_total_mib:
+            free = self.memory_total_mib - self.memory_used_mib
+        if free is not None and self.memory_total_mib and free < min_free_fraction * self.memory_total_mib:
+            problems.append(
+                f"only {free} of {self.memory_total_mib} MiB free (another process holds the rest; the job wants {min_free_fraction:.0%} free)"
+            )
+        return problems
+
+    def label(self) -> str:
+        """How a message names it: its index on the host (as nvidia-smi numbers it) and its UUID."""
+        seen_as = f", cuda:{self.index} for the job" if self.index != self.physical_index else ""
+        return f"GPU {self.physical_index} ({self.uuid}{seen_as})"
 
 
 @dataclass(frozen=True)
@@ -53,9 +72,15 @@ class NodeInventory:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
+    def unfit_gpus(self, wanted: int | None, *, min_free_fraction: float = 0.0) -> list[str]:
+        """Each problem of the GPUs a job will use here (the first ``wanted`` the job sees; None:
+        all), naming the host, the GPU's index and UUID, and what was found."""
+        chosen = self.gpus if wanted is None else self.gpus[:wanted]
+        return [f"{self.hostname}: {g.label()}: {problem}" for g in chosen for problem in g.unfit(min_free_fraction)]
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "NodeInventory":
-        gpus = tuple(GpuInfo(**g) for g in data.get("gpus", ()))
+        gpus = tuple(GpuInfo(**{**g, "health": tuple(g.get("health", ()))}) for g in data.get("gpus", ()))
         return cls(
             hostname=data["hostname"],
             cpu_count=int(data["cpu_count"]),
@@ -121,10 +146,7 @@ def apply_visible_devices(gpus: list[GpuInfo], visible: str | None) -> list[GpuI
         if match is None or match in chosen:
             break
         chosen.append(match)
-    return [
-        GpuInfo(i, g.physical_index, g.name, g.memory_total_mib, g.memory_used_mib, g.utilization_pct, g.uuid)
-        for i, g in enumerate(chosen)
-    ]
+    return [replace(g, index=i) for i, g in enumerate(chosen)]
 
 
 def usable_cpu_count() -> int:
@@ -157,6 +179,8 @@ def gpus_from_nvml(inventory: NvmlInventory) -> list[GpuInfo]:
             memory_used_mib=g.memory_used_mib,
             utilization_pct=g.utilization_gpu_pct,
             uuid=g.uuid,
+            memory_free_mib=g.memory_free_mib,
+            health=tuple(health_problems(g)),
         )
         for g in inventory.gpus
     ]

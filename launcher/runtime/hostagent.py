@@ -6,7 +6,9 @@ every remote host, before and around the ranks, and never imports the control si
 - ``serve``: the host's helper for a whole run, on the one SSH connection the launcher opens to
   the host (the connection's first session; the agents' sessions share it, multiplexed). It
   answers requests (one JSON line each on stdin: ``preflight``, ``free-port``, ``prepare``,
-  ``fetch``, ``signal``, ``evidence``) with one tagged JSON line each on stdout, and writes a heartbeat line every second,
+  ``fetch``, ``signal``, ``evidence``, and the network check's ``net-listen`` and ``net-ring``,
+  see ``launcher.runtime.netcheck``) with one tagged JSON line each on stdout, one request at a
+  time (``net-ring`` holds the loop for its seconds), and writes a heartbeat line every second,
   by which the launcher tells a live host from a lost one. It exits when the launcher closes its
   stdin, or says nothing (requests or pings) for ``--silence-s`` seconds.
 - ``agent``: the wrapper around one torchrun agent. It reads one JSON line on stdin (the node's
@@ -147,6 +149,20 @@ def do_fetch(stage: str, ranks: list[int]) -> dict[str, Any]:
     return {"files": files}
 
 
+def do_net_listen(bind: str, for_s: float) -> dict[str, Any]:
+    """The network check's listener on this host (``launcher.runtime.netcheck``), for ``for_s`` s."""
+    from launcher.runtime.netcheck import listen_request
+
+    return listen_request(bind, for_s)
+
+
+def do_net_ring(peers: list[list[Any]], send_s: float, max_mb: float, **timing: Any) -> dict[str, Any]:
+    """This host's links to ``peers`` (``[name, address, port]``), measured one after the other."""
+    from launcher.runtime.netcheck import ring_request
+
+    return ring_request(peers, send_s, max_mb, **timing)
+
+
 REQUESTS: dict[str, Callable[..., dict[str, Any]]] = {
     "preflight": do_preflight,
     "free-port": do_free_port,
@@ -154,6 +170,8 @@ REQUESTS: dict[str, Callable[..., dict[str, Any]]] = {
     "fetch": do_fetch,
     "signal": do_signal,
     "evidence": do_evidence,
+    "net-listen": do_net_listen,
+    "net-ring": do_net_ring,
 }
 
 

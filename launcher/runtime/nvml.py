@@ -387,6 +387,21 @@ def health_problems(gpu: GpuReading, *, min_free_mib: int = 0) -> list[str]:
     return problems
 
 
+def granted_gpu_problems(index: int, visible: str | None, nvml: Any | None = None) -> list[str]:
+    """The health problems of the GPU a process was granted (its ``cuda:<index>`` under
+    ``visible``, the process's CUDA_VISIBLE_DEVICES), each naming the GPU's NVML index and UUID;
+    empty when it is healthy or NVML cannot say (no driver library). Free memory is not judged
+    here: a restarted rank's predecessor may still be letting go of it."""
+    inventory = read_inventory(nvml)
+    if inventory is None:
+        return []
+    gpus = visible_gpus(inventory, visible)
+    if index >= len(gpus):
+        return []
+    gpu = gpus[index]
+    return [f"GPU {gpu.index} ({gpu.uuid}): {problem}" for problem in health_problems(gpu)]
+
+
 # --- recording and playing back -------------------------------------------------------------------
 
 

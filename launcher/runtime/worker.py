@@ -334,8 +334,18 @@ def _select_device(torch: Any, config: WorkerConfig, local_rank: int) -> Any:
             f"local rank {local_rank} was given {device} but this process sees {visible} GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         )
+    if config.gpu_health:  # before this process makes a context on it
+        from launcher.runtime.nvml import granted_gpu_problems
+
+        problems = granted_gpu_problems(device.index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if problems:
+            raise UnfitGpuError(f"{device} is unfit for the job: {'; '.join(problems)} (spec: preflight.gpu_health)")
     torch.cuda.set_device(device)
     return device
+
+
+class UnfitGpuError(RuntimeError):
+    """The GPU a rank was granted is unhealthy (NVML): the rank does not start on it."""
 
 
 def _rendezvous(dist: Any, config: WorkerConfig) -> tuple[Any, int, int]:

@@ -81,11 +81,56 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_ELASTIC_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+
+
 class Resources(_Frozen):
+    # How many hosts (a cluster file's, in its order; the ones after them are spares). An elastic
+    # world: `nodes: {min: 2, max: 4}` or `nodes: 2..4`: the job starts on as many healthy hosts as
+    # there are, up to max, and when a host is lost with no spare left it goes on with the rest
+    # (at least min), the stage restarted at the smaller world size from its last checkpoint.
     nodes: StrictInt = Field(1, ge=1, le=4096)
+    min_nodes: StrictInt | None = Field(None, ge=1, le=4096)  # set by the {min, max} form (or directly)
     gpus_per_node: Literal["auto"] | Annotated[StrictInt, Field(ge=0, le=1024)] = "auto"
     cpu_workers: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=1024)] = 2
     device: Literal["auto", "cuda", "cpu"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _elastic_nodes(cls, data: Any) -> Any:
+        """``nodes: {min: A, max: B}`` or ``nodes: "A..B"`` -> ``nodes: B, min_nodes: A``."""
+        if not isinstance(data, Mapping):
+            return data
+        nodes = data.get("nodes")
+        if isinstance(nodes, str) and (m := _ELASTIC_RANGE.match(nodes)):
+            nodes = {"min": int(m.group(1)), "max": int(m.group(2))}
+        if isinstance(nodes, Mapping):
+            unknown = sorted(set(nodes) - {"min", "max"})
+            if unknown or "max" not in nodes:
+                raise ValueError(f"nodes: expected a count, {{min: A, max: B}} or 'A..B' (got {dict(nodes)!r})")
+            return {**data, "nodes": nodes["max"], "min_nodes": nodes.get("min", 1)}
+        return data
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "Resources":
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"nodes: min {self.min_nodes} is larger than max {self.nodes}")
+        return self
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest hosts the job runs on: ``min`` of an elastic world, else ``nodes``."""
+        return self.nodes if self.min_nodes is None else self.min_nodes
+
+    @property
+    def elastic(self) -> bool:
+        return self.fewest_nodes < self.nodes
+
+    def gpus_used(self) -> int | None:
+        """How many of a node's visible GPUs the job may use: the first N, None for all, 0 for none."""
+        if self.device == "cpu":
+            return 0
+        return None if self.gpus_per_node == "auto" else self.gpus_per_node
 
 
 class Scaling(_Frozen):
@@ -125,6 +170,21 @@ class Preemption(_Frozen):
     # After a stop notice (SIGTERM or Ctrl-C to launch, a host's SIGTERM, Slurm's signal) a job
     # that watches ctx.should_stop has this long to save and return before everything is stopped
     grace_s: Real = Field(60, gt=0, le=3600)
+
+
+class PreflightSettings(_Frozen):
+    # The GPUs the job will use are refused (exit 2, nothing started; a spare host takes the place
+    # of a host that has one) when NVML reports uncorrectable ECC errors, retired pages or row
+    # remapping pending or failed, clocks held down by heat or a power brake, or a compute mode
+    # that forbids the job, or when less than min_free_gpu_memory of a GPU's memory is free.
+    gpu_health: bool = True
+    min_free_gpu_memory: float = Field(0.75, ge=0, le=1)
+    # A multi-host job (SSH): every host's link to its peers on the job's interface, measured in a
+    # ring each way within network_budget_s before the start; a link under min_link_fraction of the
+    # median, or a host that does not answer, is named (and a spare takes the bad host's place).
+    network: bool = True
+    network_budget_s: Real = Field(3, gt=0, le=120)
+    min_link_fraction: float = Field(0.5, ge=0, le=1)
 
 
 class RaySettings(_Frozen):
@@ -215,6 +275,7 @@ class JobSpec(_Frozen):
     restart_on: tuple[RestartClass, ...] = Field(DEFAULT_RESTART_ON, min_length=1, max_length=16)
     checkpoint: CheckpointSettings = CheckpointSettings()
     preemption: Preemption = Preemption()
+    preflight: PreflightSettings = PreflightSettings()
     # How the torchrun backend starts an entrypoint's ranks: "forkserver" forks each one from a
     # server process that has imported torch once per node (sooner to the first step, one import
     # instead of one per rank); "spawn" starts a fresh interpreter per rank, as plain torchrun
@@ -230,6 +291,9 @@ class JobSpec(_Frozen):
     def _one_program(self) -> "JobSpec":
         if (self.entrypoint is None) == (self.script is None):
             raise ValueError("set exactly one of 'entrypoint' (module:function) or 'script' (a file)")
+        if self.resources.elastic and self.scaling is not None:
+            raise ValueError("resources.nodes: an elastic world ({min, max}) runs one stage at the size of the hosts it has; "
+                             "drop scaling.workers, or give nodes one count")
         if self.args and self.script is None:
             raise ValueError("'args' is for 'script' mode; give an entrypoint its 'params'")
         return self

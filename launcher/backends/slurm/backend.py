@@ -124,6 +124,11 @@ def check_no_cluster_file(job: LoadedJob, cluster: str | None) -> None:
     if cluster or job.spec.cluster:
         where = "--cluster" if cluster else f"{job.path}: cluster"
         raise PlanError(f"{where}: a cluster file is for the torchrun backend over SSH; on Slurm the nodes are the job's allocation")
+    if job.spec.resources.elastic:
+        raise PlanError(
+            f"{job.path}: resources.nodes: an elastic world ({{min, max}}) runs on a cluster file's hosts (torchrun over SSH); "
+            "on Slurm give one node count (Slurm's own --requeue restarts a lost allocation)"
+        )
 
 
 class SrunStage(TorchrunStage):
@@ -236,6 +241,10 @@ def allocation_nodes(job: LoadedJob) -> list[NodeTarget]:
     records = commands.node_records(names)
     granted = commands.gpus_per_node_env(env.get("SLURM_GPUS_PER_NODE")) or len([g for g in env.get("SLURM_JOB_GPUS", "").split(",") if g])
     seen = discover(visible_override=job.spec.env.get("CUDA_VISIBLE_DEVICES")) if granted else None
+    if seen is not None and job.spec.preflight.gpu_health:  # this node's; every rank checks its own at its start
+        problems = seen.unfit_gpus(granted, min_free_fraction=job.spec.preflight.min_free_gpu_memory)
+        if problems:
+            raise PlanError("\n".join([*problems, "preflight: nothing was started on the allocation"]))
     gpus = seen.gpus[:granted] if seen else ()
     notes = (*(seen.notes if seen else ()), f"Slurm allocation: {granted} GPU(s) per node")
     fallback = int(env.get("SLURM_CPUS_ON_NODE", "1") or 1)

@@ -28,12 +28,12 @@ Every remote command is built with ``shlex.join`` so that no spec value is ever 
 from launcher.backends.ssh.command import SshError, heartbeat_timeout, remote_agent_command, ssh_argv, ssh_base_argv
 from launcher.backends.ssh.link import HostLink, HostLinks, _parallel, _socket_dir, connection_scope, current_links
 from launcher.backends.ssh.preflight import (
-    HostReport, PreflightError, check_host, local_torch_version, preflight, preflight_reports, remote_free_port,
+    HostReport, PreflightError, PreflightOutcome, check_host, local_torch_version, preflight, preflight_hosts, preflight_reports, remote_free_port,
 )  # fmt: skip
 from launcher.backends.ssh.transport import SshTransport
 
 __all__ = [
     "HostLink", "HostLinks", "HostReport", "PreflightError", "SshError", "SshTransport", "_parallel", "_socket_dir", "check_host",
-    "connection_scope", "current_links", "heartbeat_timeout", "local_torch_version", "preflight", "preflight_reports",
+    "connection_scope", "current_links", "heartbeat_timeout", "local_torch_version", "preflight", "PreflightOutcome", "preflight_hosts", "preflight_reports",
     "remote_agent_command", "remote_free_port", "ssh_argv", "ssh_base_argv",
 ]  # fmt: skip

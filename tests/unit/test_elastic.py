@@ -1,0 +1,90 @@
+"""An elastic world (``resources.nodes: {min, max}`` or ``min..max``), planned: the spec's forms and
+their mistakes, starting on fewer hosts than max, and a lost host with no spare left: the pool goes
+on with the rest while ``min`` remain, and the next attempt's plan has fewer ranks in the stage's
+own directory (where its checkpoints are)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.control.api import HostPool, _plan_factory
+from launcher.control.planning import size_run
+from launcher.errors import PlanError, SpecError
+from launcher.runtime.devices import discover
+from launcher.spec.model import load_job
+from launcher.stage.plan import NodeTarget
+
+
+def node(name: str) -> NodeTarget:
+    inv = discover(query=lambda: None, env={})
+    return NodeTarget(name=name, address=f"10.0.0.{name[-1]}", inventory=inv, python="/usr/bin/python3")
+
+
+def job(tmp_path: Path, nodes: str, extra: str = ""):
+    path = tmp_path / "j.yaml"
+    path.write_text(f"name: j\nentrypoint: launcher.workloads.matmul:run\nresources:\n  nodes: {nodes}\n  cpu_workers: 2\n{extra}")
+    return load_job(path)
+
+
+@pytest.mark.parametrize("form", ["{min: 1, max: 3}", "1..3", "'1 .. 3'"])
+def test_both_forms_mean_min_and_max(tmp_path, form):
+    res = job(tmp_path, form).spec.resources
+    assert (res.fewest_nodes, res.nodes, res.elastic) == (1, 3, True)
+
+
+@pytest.mark.parametrize(
+    ("form", "extra", "words"),
+    [
+        ("{min: 3, max: 2}", "", "nodes: min 3 is larger than max 2"),
+        ("{min: 1}", "", "expected a count, {min: A, max: B} or 'A..B'"),
+        ("{min: 1, max: 2, most: 3}", "", "expected a count"),
+        ("1..2", "scaling: {workers: [2]}\n", "an elastic world ({min, max}) runs one stage"),
+    ],
+)
+def test_bad_elastic_forms_name_the_field(tmp_path, form, extra, words):
+    with pytest.raises(SpecError) as caught:
+        job(tmp_path, form, extra)
+    assert words in str(caught.value) and "j.yaml:" in str(caught.value)
+
+
+def test_an_elastic_world_starts_on_as_many_hosts_as_it_has_within_min_and_max(tmp_path):
+    spec = job(tmp_path, "2..4")
+    assert size_run(spec, [node("h1"), node("h2"), node("h3")]).world_sizes == (6,)
+    with pytest.raises(PlanError, match="2 to 4 node"):
+        size_run(spec, [node("h1")])
+
+
+def test_a_lost_host_goes_to_a_spare_first_then_the_world_shrinks_down_to_min(tmp_path):
+    spec = job(tmp_path, "{min: 1, max: 2}")
+    pool = HostPool.of(spec, [node("h1"), node("h2"), node("h3")])
+    assert ([n.name for n in pool.active], [n.name for n in pool.spares], pool.fewest) == (["h1", "h2"], ["h3"], 1)
+    assert pool.replace_lost({"h1"}) == "h1 lost: its ranks go to the spare host h3"
+    assert "goes on with 1 host(s)" in pool.replace_lost({"h2"})
+    assert [n.name for n in pool.active] == ["h3"]
+    assert "the restart tries it again" in pool.replace_lost({"h3"})  # min reached: nothing to drop
+    assert [n.name for n in pool.active] == ["h3"]
+
+
+def test_a_fixed_world_never_shrinks(tmp_path):
+    pool = HostPool.of(job(tmp_path, "2"), [node("h1"), node("h2")])
+    assert "the restart tries it again" in pool.replace_lost({"h2"}) and len(pool.active) == 2
+
+
+def test_the_attempt_after_a_lost_host_has_fewer_ranks_in_the_stages_own_directory(tmp_path, monkeypatch):
+    import launcher.control.api as api
+
+    monkeypatch.setattr(api, "rendezvous_port", lambda nodes: 29500)
+    spec = job(tmp_path, "1..2")
+    pool = HostPool.of(spec, [node("h1"), node("h2")])
+    sizing = size_run(spec, pool.active)
+    make = _plan_factory(spec, pool, sizing.world_sizes[0], sizing, tmp_path / "run", "torchrun")
+    first = make(0)
+    assert (first.world_size, [n.host for n in first.nodes]) == (4, ["h1", "h2"])
+    pool.replace_lost({"h1"})
+    second = make(1)
+    assert (second.world_size, [n.host for n in second.nodes]) == (2, ["h2"])
+    assert second.paths.root == first.paths.root and second.paths.root.name == "world4"  # its checkpoints are there
+    assert second.worker.checkpoint_dir == first.worker.checkpoint_dir
+    assert [r.rank for r in second.ranks] == [0, 1] and second.rendezvous.addr == first.nodes[1].target.address
