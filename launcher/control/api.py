@@ -67,37 +67,29 @@ def cluster_path(job: LoadedJob, cluster: str | None) -> Path | None:
 
 
 def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
-    """This machine, or every usable host of a cluster file after its preflight checks (no
-    network check: for planning and ``--dry-run``). A ``CUDA_VISIBLE_DEVICES`` in the job's env
-    is what its ranks will see, so it is what counts."""
+    """The nodes to plan on, for ``validate`` and ``--dry-run``: no link check, and this
+    machine's GPU health is not judged (``preflight_nodes`` does both for a run)."""
+    return preflight_nodes(job, cluster, for_run=False)[0]
+
+
+def preflight_nodes(job: LoadedJob, cluster: str | None, *, for_run: bool = True) -> tuple[list[NodeTarget], PreflightRecord | None]:
+    """The hosts a run starts on, checked: this machine, its GPUs refused (exit 2) when one the
+    job would use is unhealthy; or every host of a cluster file, its GPUs and the links between
+    them, a failed host replaced by a spare (``launcher.backends.ssh.preflight_hosts``). A
+    ``CUDA_VISIBLE_DEVICES`` in the job's env is what its ranks will see, so it is what counts."""
     path = cluster_path(job, cluster)
     if path is None:
-        return [local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))]
+        node = local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))
+        if for_run:
+            check_local_gpus(job, node)
+        return [node], None
     check_node_split(job)  # decided by the spec alone: no host is contacted for it
     from launcher.backends.ssh import preflight_hosts
     from launcher.spec.cluster import load_cluster
 
     hosts = load_cluster(path)
     check_cluster_size(job, len(hosts.hosts), path)
-    return preflight_hosts(hosts, job, network=False).targets
-
-
-def preflight_nodes(job: LoadedJob, cluster: str | None) -> tuple[list[NodeTarget], PreflightRecord | None]:
-    """The hosts a run starts on, checked: this machine's GPUs (refused, exit 2, when one the job
-    would use is unhealthy), or every host of a cluster file, its GPUs and the links between them,
-    a failed host replaced by a spare (``launcher.backends.ssh.preflight_hosts``)."""
-    path = cluster_path(job, cluster)
-    if path is None:
-        node = local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))
-        check_local_gpus(job, node)
-        return [node], None
-    check_node_split(job)
-    from launcher.backends.ssh import preflight_hosts
-    from launcher.spec.cluster import load_cluster
-
-    hosts = load_cluster(path)
-    check_cluster_size(job, len(hosts.hosts), path)
-    outcome = preflight_hosts(hosts, job)
+    outcome = preflight_hosts(hosts, job, network=for_run)
     return outcome.targets, outcome.record
 
 

@@ -168,6 +168,9 @@ def node_env(
         # every process of the stage carries it, forked ranks included (whose command line is
         # their server's): it finds a run's processes
         ENV_STAGE_DIR: str(paths.root),
+        # CUDA numbers GPUs fastest first unless told otherwise; NVML, nvidia-smi and the plan
+        # (CUDA_VISIBLE_DEVICES indices, cuda:<local_rank>) number them by PCI bus: one order for all
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     }
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -88,3 +88,17 @@ def test_the_attempt_after_a_lost_host_has_fewer_ranks_in_the_stages_own_directo
     assert second.paths.root == first.paths.root and second.paths.root.name == "world4"  # its checkpoints are there
     assert second.worker.checkpoint_dir == first.worker.checkpoint_dir
     assert [r.rank for r in second.ranks] == [0, 1] and second.rendezvous.addr == first.nodes[1].target.address
+
+
+def test_a_min_larger_than_the_cluster_file_is_refused_before_any_host_is_contacted(tmp_path, capsys):
+    from launcher.ui import cli
+
+    cluster = tmp_path / "cluster.yaml"  # addresses nobody answers on: a login would hang for its timeout
+    cluster.write_text("hosts:\n  - {name: a, address: 10.255.255.1}\n  - {name: b, address: 10.255.255.2}\n")
+    spec = tmp_path / "j.yaml"
+    spec.write_text("name: j\nentrypoint: launcher.workloads.matmul:run\nresources: {nodes: 3..4}\n")
+    code = cli.main([str(spec), "--cluster", str(cluster), "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"resources.nodes: at least 3 (min) node(s) requested but {cluster} lists 2 host(s)" in err
+    assert not (tmp_path / "runs").exists()

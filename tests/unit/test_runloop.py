@@ -527,7 +527,7 @@ def test_run_job_hands_the_callers_stop_request_to_the_run_loop(tmp_path: Path, 
         seen.append(stop)
         raise Reached
 
-    monkeypatch.setattr(api, "resolve_nodes", lambda job, cluster: [NODE])
+    monkeypatch.setattr(api, "preflight_nodes", lambda job, cluster: ([NODE], None))
     monkeypatch.setattr(api, "_run_stages", run_stages)
     mine = StopRequest()  # a notebook keeps it, to stop the run from another thread later
     with pytest.raises(Reached):

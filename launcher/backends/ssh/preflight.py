@@ -1,7 +1,9 @@
 """Before anything starts on a cluster file's hosts: every host checked in parallel, over the
-connection the run keeps (``link``): SSH login, the GPUs (the same discovery code, run there),
-torch's version, the named interface, a free rendezvous port on the first host. Each problem
-names its host; nothing is started.
+connection the run keeps (``link``): SSH login, the GPUs (the same discovery code, run there, NVML's
+health of each GPU the job will use), torch's version, the named interface, a free rendezvous port
+on the first host; then the links between the hosts that passed (``netcheck``). A host that fails
+is left out and a spare (a host beyond ``resources.nodes``) takes its place; with too few good
+hosts every problem is said, each naming its host, and nothing is started.
 """
 
 from __future__ import annotations
