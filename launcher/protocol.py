@@ -305,6 +305,9 @@ class RankProgress:
     ckpt_at: int | None = None
     resumed_step: int | None = None
     watches_stop: bool | None = None  # the job reads ctx.should_stop: a stop notice lets it save first
+    # the rank's own phase stamps so far (spawned, started, imported, joined, pg_ready, first_step):
+    # a rank stopped before it writes its report (Ctrl-C) still dates the stage's phases exactly
+    phases: Mapping[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -328,7 +331,14 @@ class RankProgress:
             ckpt_at=_int_or_none(data.get("ckpt_at")),
             resumed_step=_int_or_none(data.get("resumed_step")),
             watches_stop=True if data.get("watches_stop") is True else None,
+            phases=_stamps(data.get("phases")),
         )
+
+
+def _stamps(value: Any) -> dict[str, float] | None:
+    if not isinstance(value, Mapping):
+        return None
+    return {str(k): float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} or None
 
 
 def _int_or_none(value: Any) -> int | None:

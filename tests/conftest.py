@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Every launch the suite starts (here or in a child, which inherits the environment) announces its
+# metrics endpoint in a directory of this process's own, never /tmp/gpulaunch/prom_sd/, which a real
+# Prometheus may watch (launcher/control/metrics_endpoint.py: SD_DIR_ENV). Each xdist worker has its own.
+PROM_SD_DIR = Path(tempfile.mkdtemp(prefix="gpulaunch-test-prom-sd-"))
+os.environ["GPULAUNCH_PROM_SD_DIR"] = str(PROM_SD_DIR)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(PROM_SD_DIR, ignore_errors=True)
 
 
 # Under pytest-xdist (``pytest -n 3``) every test file is a unit that runs on one worker (its

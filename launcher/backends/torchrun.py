@@ -37,8 +37,10 @@ WORKER_MODULE = "launcher.runtime.worker"
 def agent_argv(plan: StagePlan, node: NodeSlot) -> tuple[str, ...]:
     """``python -m launcher.runtime.agent`` is torchrun (same parser, same elastic agent) plus a
     parent-death signal and a machine-readable failure file. Static rendezvous on a port the
-    launcher chose, never the fixed 29500. With --start-method=forkserver the agent runs the
-    worker as a function in ranks forked from a forkserver (torchrun's own start methods)."""
+    launcher chose, never the fixed 29500, whose store node 0's agent serves on ``--master-addr``
+    alone (127.0.0.1 for a stage on this machine, where gloo and NCCL use ``lo``: ``node_env``).
+    With --start-method=forkserver the agent runs the worker as a function in ranks forked from a
+    forkserver (torchrun's own start methods)."""
     return (
         node.target.python,
         "-m",

@@ -22,7 +22,7 @@ Exported (with ``ray_`` in front when a Ray actor exports it):
 name                                  type     labels                                      what
 ====================================  =======  ==========================================  =====================
 gpulaunch_steps_total                 counter  gpulaunch_job run_id world_size rank node   steps done in this stage
-gpulaunch_steps_per_second            gauge    ... rank node                               step rate, recent (5 s)
+gpulaunch_steps_per_second            gauge    ... rank node                               step rate, last 5 s of beacons
 gpulaunch_samples_per_second          gauge    ... rank node                               steps/s x samples/step
 gpulaunch_step_time_seconds           gauge    ... rank node                               host time per step, recent mean
 gpulaunch_last_step_time_seconds      gauge    ... rank node                               host time of the last step
@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -73,9 +74,16 @@ from launcher.metric_names import (  # noqa: E402
 RATE_WINDOW_S = 5.0
 
 # Where endpoints announce themselves for Prometheus's file service discovery (see
-# configs/prometheus/prometheus.yml): one small JSON file per live run, removed at close.
+# configs/prometheus/prometheus.yml): one small JSON file per live run, removed at close. A launcher
+# killed outright (SIGKILL, a lost machine) cannot remove its own, so each file names its launcher
+# (pid and start time, as labels Prometheus drops after discovery: ``__meta_*``) and every endpoint
+# that writes one removes the files of launchers that are gone, when it starts and every
+# SD_SWEEP_S while it is live.
 DEFAULT_SD_DIR = Path("/tmp/gpulaunch/prom_sd")
 SD_DIR_ENV = "GPULAUNCH_PROM_SD_DIR"
+SD_SWEEP_S = 10.0
+SD_PID_LABEL = "__meta_gpulaunch_pid"
+SD_PID_START_LABEL = "__meta_gpulaunch_pid_start"  # procutil.process_start_ticks: with the pid, the process's identity
 
 
 def default_sd_dir() -> Path:
@@ -95,6 +103,7 @@ class RankSample:
     mean_step_s: float | None = None
     work_s: float | None = None
     straggler: bool = False
+    beacon_t: float | None = None  # when ``steps`` was true (the beacon's time, the rank's clock): times the step rate
 
 
 @dataclass(frozen=True)
@@ -109,23 +118,62 @@ class StageSample:
 
 
 class _StepRate:
-    """Steps per second from successive samples of one rank's step counter, over a short window
-    (the beacons tick every 0.5 s, as do updates: one interval alone would alias to 0 or 2x)."""
+    """Steps per second of one rank from successive readings of its step count, over a short window.
+
+    Each reading is paired with the time the count was true: the beacon's own time stamp when the
+    sample carries one (``RankSample.beacon_t``, the rank's clock: only differences are used, so
+    another host's clock offset cancels out), else the time of the update. Beacons and updates both
+    tick every 0.5 s, out of step: timed by its update, a count is up to a beacon old, which moves
+    a 5 s rate by up to 10% from one update to the next; timed by its beacon, it is exact to a step.
+
+    The time before a rank's count first moves (spawning, importing, a resumed job loading its
+    checkpoint) is not its pace: the rate starts at the first reading whose count moved, the
+    reading before it standing in until a second such reading comes. A restart (the count went
+    down) starts again; no fresh reading for a whole window (a rank that stopped writing beacons)
+    reads 0.
+    """
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self.points: deque[tuple[float, int]] = deque()
+        self.moved = False  # the count has moved since the tracker (re)started
+        self.pre_move = False  # points[0] is the reading before the first move (a stand-in)
+        self.fresh_at: float | None = None  # update time of the latest new reading
+        self.by_update = False  # the readings are timed by their updates (no beacon time)
 
-    def add(self, t: float, steps: int) -> float | None:
-        if self.points and steps < self.points[-1][1]:
-            self.points.clear()  # the rank started again (a restart): a new count
-        self.points.append((t, steps))
-        while len(self.points) > 2 and t - self.points[1][0] >= self.window_s:
+    def add(self, now: float, steps: int, t: float | None = None) -> float | None:
+        at = now if t is None else t
+        if self.points:
+            last_t, last_steps = self.points[-1]
+            if steps < last_steps or at < last_t or (t is None) != self.by_update:  # a restart counts from 0 again
+                self.points.clear()
+                self.moved = self.pre_move = False
+            elif at == last_t:  # the same beacon again: nothing new
+                return self.rate(now)
+        self.fresh_at, self.by_update = now, t is None
+        if not self.points:
+            self.points.append((at, steps))
+        elif not self.moved and steps == self.points[-1][1]:
+            self.points = deque([self.points[-1], (at, steps)])  # still idle: 0 steps/s so far
+        elif not self.moved:  # the first move: the idle readings before it go, but the latest
+            self.moved = self.pre_move = True
+            self.points = deque([self.points[-1], (at, steps)])
+        else:
+            self.points.append((at, steps))
+            if self.pre_move:  # a second reading since the move: the stand-in goes
+                self.points.popleft()
+                self.pre_move = False
+        while len(self.points) > 2 and at - self.points[1][0] >= self.window_s:
             self.points.popleft()  # keep one point at or beyond the window's start
-        t0, s0 = self.points[0]
-        if t - t0 <= 0:
+        return self.rate(now)
+
+    def rate(self, now: float) -> float | None:
+        if len(self.points) < 2:
             return None
-        return (steps - s0) / (t - t0)
+        if self.fresh_at is not None and now - self.fresh_at >= self.window_s:
+            return 0.0  # no new reading for a whole window: the rank is not stepping (or not saying)
+        (t0, s0), (t1, s1) = self.points[0], self.points[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
 
 
 class _Collector:
@@ -177,7 +225,7 @@ class MetricsEndpoint:
     Usable as a context manager.
     """
 
-    def __init__(self, *, rate_window_s: float = RATE_WINDOW_S, clock: Any = time.monotonic) -> None:
+    def __init__(self, *, rate_window_s: float = RATE_WINDOW_S, clock: Any = time.monotonic, sd_sweep_s: float = SD_SWEEP_S) -> None:
         from prometheus_client import CollectorRegistry
 
         self.registry: CollectorRegistry = CollectorRegistry(auto_describe=False)
@@ -189,6 +237,9 @@ class MetricsEndpoint:
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._sd_file: Path | None = None
+        self._sd_sweep_s = sd_sweep_s
+        self._sweeping = threading.Event()  # set: the sweeper stops
+        self._sweeper: threading.Thread | None = None
         self.host: str | None = None
         self.port: int | None = None
 
@@ -198,7 +249,9 @@ class MetricsEndpoint:
 
         ``sd_dir``: also write ``<sd_dir>/<sd_name>.json``, a Prometheus file-SD target list
         naming this endpoint (the scrape config in configs/prometheus/ reads that directory), so a
-        free port needs no configuration; removed again by :meth:`close`.
+        free port needs no configuration; removed again by :meth:`close`. Before writing it, and
+        every ``sd_sweep_s`` until :meth:`close`, the files there whose launcher is gone go
+        (:func:`sweep_sd_dir`).
         """
         from prometheus_client import start_http_server
 
@@ -213,8 +266,20 @@ class MetricsEndpoint:
         self._server, self._thread = started
         self.host, self.port = host, int(self._server.server_address[1])
         if sd_dir is not None:
-            self._sd_file = _write_sd_file(Path(sd_dir), sd_name or f"gpulaunch-{os.getpid()}-{self.port}", self.target)
+            directory = Path(sd_dir)
+            sweep_sd_dir(directory)
+            self._sd_file = _write_sd_file(directory, sd_name or f"gpulaunch-{os.getpid()}-{self.port}", self.target)
+            self._sweeping.clear()
+            self._sweeper = threading.Thread(target=self._sweep, args=(directory,), name="gpulaunch-sd-sweep", daemon=True)
+            self._sweeper.start()
         return self.port
+
+    def _sweep(self, directory: Path) -> None:
+        while not self._sweeping.wait(self._sd_sweep_s):
+            try:
+                sweep_sd_dir(directory)
+            except Exception:  # noqa: BLE001 - best effort: the run goes on whatever the directory holds
+                pass
 
     @property
     def target(self) -> str:
@@ -227,6 +292,10 @@ class MetricsEndpoint:
 
     def close(self) -> None:
         """Stop serving and free the port; idempotent."""
+        self._sweeping.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=5)
+            self._sweeper = None
         if self._sd_file is not None:
             with contextlib.suppress(OSError):
                 self._sd_file.unlink()
@@ -259,7 +328,7 @@ class MetricsEndpoint:
             tracker = self._rates.get(key)
             if tracker is None:
                 tracker = self._rates[key] = _StepRate(self._rate_window_s)
-            rates[r.rank] = tracker.add(now, r.steps)
+            rates[r.rank] = tracker.add(now, r.steps, r.beacon_t)
         for key in [k for k in self._rates if k not in live]:
             del self._rates[key]
         with self._collector.lock:
@@ -275,14 +344,97 @@ class MetricsEndpoint:
 
 
 def _write_sd_file(directory: Path, name: str, target: str) -> Path:
-    """``[{"targets": ["127.0.0.1:PORT"]}]`` in ``directory/name.json``, written atomically. The
-    directory is shared by every user's runs (like /tmp): made world-writable with the sticky bit."""
+    """``[{"targets": ["127.0.0.1:PORT"], "labels": {owner}}]`` in ``directory/name.json``, written
+    atomically; the owner is this process (pid and start time). The directory is shared by every
+    user's runs (like /tmp): made world-writable with the sticky bit."""
+    from launcher.procutil import process_start_ticks
+
     if not directory.exists():
         directory.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             os.chmod(directory, 0o1777)
+    owner = {SD_PID_LABEL: str(os.getpid())}
+    started = process_start_ticks()
+    if started is not None:
+        owner[SD_PID_START_LABEL] = str(started)
     path = directory / f"{name}.json"
     tmp = directory / f".{name}.json.tmp"
-    tmp.write_text(json.dumps([{"targets": [target]}]))
+    tmp.write_text(json.dumps([{"targets": [target], "labels": owner}]))
     os.replace(tmp, path)
     return path
+
+
+def sweep_sd_dir(directory: Path) -> list[Path]:
+    """Remove the file-SD entries in ``directory`` whose launcher is gone; the paths removed.
+
+    An entry's launcher is gone when the pid it names is not running, or runs another process
+    (its start time differs: the pid was reused). An entry that names no launcher (written before
+    entries did, or by hand) goes when each of its targets is on this machine's loopback and
+    refuses connections: nothing serves there any more. Another user's entry stays (the sticky
+    directory lets only its owner remove it), as does one that cannot be read."""
+    removed: list[Path] = []
+    try:
+        paths = sorted(p for p in directory.glob("*.json") if not p.name.startswith("."))
+    except OSError:
+        return removed
+    for path in paths:
+        try:
+            dead = _sd_entry_is_dead(path)
+        except Exception:  # noqa: BLE001 - an entry nobody can make sense of (a pid out of range, say) is left as it is
+            dead = False
+        if dead:
+            try:
+                path.unlink()
+            except OSError:  # gone already (another launcher swept it), or not ours to remove
+                continue
+            removed.append(path)
+    return removed
+
+
+def _sd_entry_is_dead(path: Path) -> bool:
+    try:
+        groups = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return False
+    owners: set[tuple[int, int | None]] = set()
+    targets: list[str] = []
+    for group in groups:
+        labels = group.get("labels")
+        labels = labels if isinstance(labels, dict) else {}
+        pid, started = labels.get(SD_PID_LABEL), labels.get(SD_PID_START_LABEL)
+        if isinstance(pid, str) and pid.isdigit():
+            owners.add((int(pid), int(started) if isinstance(started, str) and started.isdigit() else None))
+        found = group.get("targets")
+        targets.extend(t for t in (found if isinstance(found, list) else []) if isinstance(t, str))
+    if owners:
+        return not any(_is_running(pid, started) for pid, started in owners)
+    return bool(targets) and all(_refuses_connections(t) for t in targets)
+
+
+def _is_running(pid: int, started: int | None) -> bool:
+    """Whether ``pid`` runs and is still the process that started at ``started`` (clock ticks)."""
+    from launcher.procutil import pid_alive, process_start_ticks
+
+    if not pid_alive(pid):
+        return False
+    if started is None:
+        return True
+    now = process_start_ticks(pid)
+    return now is None or now == started  # None: hidden from us (another user's) or just gone: kept this time
+
+
+def _refuses_connections(target: str) -> bool:
+    """Whether ``host:port`` is on this machine's loopback and nothing listens there."""
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    if host not in ("127.0.0.1", "::1", "localhost") or not port.isdigit():
+        return False
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False

@@ -50,7 +50,7 @@ class MetricsEvents(RunEvents):
             self._last[key] = (t, steps)
         step_s = self._step_s.get(key)
         return RankSample(rank=rank, node=live.host, state=live.phase, steps=steps, last_step_s=step_s, mean_step_s=step_s,
-                          work_s=live.work_s, straggler=live.straggler)
+                          work_s=live.work_s, straggler=live.straggler, beacon_t=t)
 
     def stage_finished(self) -> None:
         self.endpoint.clear()

@@ -19,7 +19,7 @@ from launcher.checkpoints import job_identity
 from launcher.errors import PlanError
 from launcher.protocol import StagePaths, WorkerConfig, rank_device
 from launcher.records import HangPolicy, RestartPolicy, StragglerPolicy
-from launcher.stage.plan import NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
+from launcher.stage.plan import LOOPBACK_ADDR, NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
 
 if TYPE_CHECKING:  # pydantic and yaml: the planner itself needs neither
     from launcher.spec.model import LoadedJob
@@ -189,7 +189,8 @@ def plan_stage(
         device_type=device_type,
         # only an entrypoint can be forked as a function; a script runs as __main__ of its own process
         start_method=spec.start_method if spec.entrypoint else "spawn",
-        rendezvous=Rendezvous(nodes[0].address, master_port),
+        # one node on this machine (a local run, a one-node Slurm stage): the group meets on loopback
+        rendezvous=Rendezvous(LOOPBACK_ADDR if len(nodes) == 1 and nodes[0].ssh is None else nodes[0].address, master_port),
         nodes=slots,
         ranks=_rank_slots(slots, device_type),
         worker=_worker_config(job, paths, device_type, threads, attempt),

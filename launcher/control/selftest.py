@@ -76,6 +76,7 @@ def selftest_report(result: Mapping[str, Any], level: str) -> dict[str, Any]:
         "figures": summary.get("figures", []),
         "checks": summary.get("checks", []),
         "not_run": summary.get("not_run", []),
+        "nodes": nodes,  # each node's NVML inventory (GPUs, links, topology, health readings) and versions
         "failure": result.get("failure"),
         "summary_error": summary.get("error"),
         "run_dir": str(result.get("run_dir")),

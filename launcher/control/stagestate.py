@@ -76,6 +76,8 @@ class StageState:
             self.hosts[event.rank] = event.host
         if old is None or old.phase != event.beacon.phase:  # a phase's stamp is its first beacon's time
             self._stamp(event.rank, event.beacon)
+        if event.beacon.phases:  # the rank's own stamps, exact: they win over the times beacons were first seen
+            self._stamps.setdefault(event.rank, {}).update(event.beacon.phases)
 
     def _stamp(self, rank: int, beacon: RankProgress) -> None:
         """The report stamps the beacon's phase implies, at the beacon's own time (first seen)."""

@@ -3,9 +3,11 @@ RUN_ID`` inside a Ray job, or ``python -m launcher.control.submitted slurm RUN_D
 batch job.
 
 On the cluster this module runs the same ``run_job`` with the engine connected to that cluster,
-and every event of the run goes into the job's output over the remote-run wire
-(``launcher.stage.wire``: rank lines, and every rank's progress as tagged lines) for the launch
-that submitted it. A Ray job then sends its run directory back as a bundle in its log's last lines.
+and every event of the run goes over the remote-run wire (``launcher.stage.wire``: rank lines,
+and every rank's progress as tagged lines) to the launch that submitted it. A Slurm job writes the
+wire into its output. A Ray job writes it into a file of its own beside its log
+(``launcher.backends.ray_jobs.wirefile``), and its log for people (rank lines, the launcher's
+words, no tagged line); it then sends its run directory back as a bundle at the end of the wire.
 
 A Slurm job that Slurm started again (requeued: its warning before the time limit, preemption, a
 lost node, ``scontrol requeue``) resumes its run in the same run directory: the stages that
@@ -55,25 +57,39 @@ def inside_ray(spec: str, run_id: str | None = None) -> int:
     if lacking is not None:
         return lacking
     from launcher.backends.ray_jobs.bundle import emit_bundle
+    from launcher.backends.ray_jobs.wirefile import JobLogEvents, open_wire
     from launcher.control.api import run_job
     from launcher.spec.model import load_job
+    from launcher.stage.watch import RunEvents, TeeEvents
     from launcher.stage.wire import WireEvents
 
     out = CLUSTER_RUNS.expanduser()
+    wire = open_wire()  # None: no Ray job log to put it beside; the wire goes into the output
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        if wire is not None:
+            print(line, file=wire, flush=True)
+
+    events: RunEvents = TeeEvents(WireEvents(wire), JobLogEvents()) if wire is not None else WireEvents()
     try:
-        # no endpoint of its own: the submitting launch serves /metrics from the wire, and the rank
-        # actors export theirs to Ray's dashboard (the head's 127.0.0.1 is not the user's)
-        job = load_job(spec)
-        run_dir = out / job.spec.name / run_id if run_id else None
-        result = run_job(job, backend="ray", out=out, events=WireEvents(), metrics=False, run_dir=run_dir)
-        code, run_dir = result.exit_code, result.run_dir
-    except LauncherError as exc:
-        for line in str(exc).splitlines() or ["failed"]:
-            print(f"error: {line}", file=sys.stderr, flush=True)
-        return exc.exit_code
-    sys.stdout.flush()
-    left = emit_bundle(run_dir)
-    sys.stdout.flush()
+        try:
+            # no endpoint of its own: the submitting launch serves /metrics from the wire, and the rank
+            # actors export theirs to Ray's dashboard (the head's 127.0.0.1 is not the user's)
+            job = load_job(spec)
+            run_dir = out / job.spec.name / run_id if run_id else None
+            result = run_job(job, backend="ray", out=out, events=events, metrics=False, run_dir=run_dir)
+            code, run_dir = result.exit_code, result.run_dir
+        except LauncherError as exc:
+            for line in str(exc).splitlines() or ["failed"]:
+                say(f"error: {line}")
+            return exc.exit_code
+        sys.stdout.flush()
+        left = emit_bundle(run_dir, write=print if wire is None else (lambda line: print(line, file=wire)))
+        sys.stdout.flush()
+    finally:
+        if wire is not None:
+            wire.close()
     if not left:
         shutil.rmtree(run_dir, ignore_errors=True)
     return code

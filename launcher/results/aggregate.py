@@ -21,13 +21,20 @@ PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")
 # code), joined (every rank reached the rendezvous), pg_ready (process group up), finished
 _PHASE_ENDS = tuple(zip(PHASES, ("spawned", "imported", "joined", "pg_ready", "finished")))
 _ENTRYPOINT_ONLY = ("rendezvous", "pg_init")
+# a beacon's phase (launcher.protocol.RankProgress.phase) -> the stage's phase a rank is in then
+_BEACON_PHASES = {"spawning": "spawn", "starting": "import", "importing": "import", "rendezvous": "rendezvous",
+                  "pg_init": "pg_init", "running": "run"}  # fmt: skip
 
 
-def stage_phases(started_at: float, reports: Sequence[RankReport], *, script: bool = False) -> dict[str, float | None]:
+def stage_phases(
+    started_at: float, reports: Sequence[RankReport], *, script: bool = False, ended_at: float | None = None
+) -> dict[str, float | None]:
     """Where a stage's start-up time went, from the slowest rank at each step (seconds). A phase
     no rank finished is where the ranks stopped (a rendezvous that timed out): it runs to the
-    end and the phases after it are None. A script joins the group inside its own run, so its
-    rendezvous and pg_init are None too."""
+    end and the phases after it are None. The end is the last rank's ``finished`` stamp, or, where
+    every rank was stopped before it wrote one (Ctrl-C, a lost host), ``ended_at``: the stage's
+    end, so an interrupted stage's ``run`` lasts until the stop. A script joins the group inside
+    its own run, so its rendezvous and pg_init are None too."""
 
     def latest(name: str) -> float | None:
         stamps = [r.phases[name] for r in reports if name in r.phases]
@@ -43,11 +50,20 @@ def stage_phases(started_at: float, reports: Sequence[RankReport], *, script: bo
         end = latest(stamp)
         if end is None:
             end, stopped = latest("finished"), True
+            if end is None and ended_at is not None and prev is not None and _stopped_in(reports) == phase:
+                end = max(prev, ended_at)  # the ranks were stopped in this phase: it ran until the stage ended
         out[phase] = None if end is None or prev is None else round(max(0.0, end - prev), 4)
         prev = end
     first = [r.phases["first_step"] for r in reports if "first_step" in r.phases]
     out["to_first_step"] = round(max(first) - started_at, 4) if first else None
     return out
+
+
+def _stopped_in(reports: Sequence[RankReport]) -> str | None:
+    """The phase the slowest rank was in when it was stopped, as its last beacon said (None where
+    a rank's last phase is not known)."""
+    known = [_BEACON_PHASES[r.last_phase] for r in reports if r.last_phase in _BEACON_PHASES]
+    return min(known, key=PHASES.index) if known and len(known) == len(reports) else None
 
 
 def _rank_entry(report: RankReport, started_at: float) -> dict[str, Any]:
@@ -62,7 +78,7 @@ def _stage_record(stage: StageOutcome) -> StageRecord:
         status=stage.status,
         restarts=stage.restarts,
         wall_s=round(stage.ended_at - stage.started_at, 4),
-        phases=stage_phases(stage.started_at, stage.reports, script=stage.script),
+        phases=stage_phases(stage.started_at, stage.reports, script=stage.script, ended_at=stage.ended_at),
         failure=stage.failure,
         stragglers=tuple(stage.stragglers),
         load_avg=dict(stage.load_avg),

@@ -9,6 +9,8 @@ From those, with no knowledge of the job:
   count of the logged values (``SeriesRow``); ``series_table(rows)`` lays them out for a table;
 * ``step_rates(result)``: per stage, steps per rank and steps/s (``StepRate``), from each rank's
   step count and its ``first_step`` and ``finished`` stamps;
+* ``timer_summary(result)``: per stage, each ``ctx.metrics.timer`` name's median and count of
+  blocks over every rank (``TimerRow``), from ``metrics.times_ms``;
 * ``plot_series(result, run_dir)``: one PNG per stage, a panel per series, one line per rank,
   against the index of the logged value (the step, for a series logged once per step).
 
@@ -179,6 +181,31 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+@dataclass(frozen=True)
+class TimerRow:
+    """One ``ctx.metrics.timer`` name in one stage, over every rank that timed it: the median of
+    all their blocks (ms; None where none is a finite number), how many blocks, and by how many ranks."""
+
+    world_size: int
+    timer: str
+    median_ms: float | None
+    count: int
+    ranks: int
+
+
+def timer_summary(result: Mapping[str, Any]) -> list[TimerRow]:
+    """Per stage and timer (by name): the median and count of its blocks over every rank."""
+    rows = []
+    for ws, ranks in _stage_ranks(result):
+        timed = [r["metrics"].get("times_ms") or {} for r in ranks]
+        for name in sorted({n for t in timed for n in t if isinstance(t, Mapping)}):
+            per_rank = [_floats(t.get(name)) for t in timed if isinstance(t, Mapping) and t.get(name)]
+            blocks = [v for vals in per_rank for v in vals]
+            finite = [v for v in blocks if math.isfinite(v)]
+            rows.append(TimerRow(ws, name, float(median(finite)) if finite else None, len(blocks), len(per_rank)))
+    return rows
+
+
 def summary_dict(result: Mapping[str, Any]) -> dict[str, Any]:
     """JSON-ready: ``series`` (every ``SeriesRow``), ``step_rates`` and a ``columns``/``rows`` table."""
     rows = series_summary(result)
@@ -207,6 +234,8 @@ def _plot_stage(job: str, ws: int, ranks: list[Mapping[str, Any]], names: list[s
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from launcher.workloads.plotting import fit_layout
+
     shown, hidden = names[:MAX_PANELS], names[MAX_PANELS:]
     cols = min(3, len(shown))
     rows = math.ceil(len(shown) / cols)
@@ -222,18 +251,12 @@ def _plot_stage(job: str, ws: int, ranks: list[Mapping[str, Any]], names: list[s
         notes.append(f"{len(ranks)} ranks, one line each (no legend)")
     if hidden:
         notes.append(f"{len(hidden)} more series not drawn: {', '.join(hidden[:10])}{' ...' if len(hidden) > 10 else ''}")
-    title = f"{job}: logged series, world size {ws}"
+    nb = "\u00a0"  # a no-break space: a wrapped title keeps "world size 2" and each figure with its unit
+    title = f"{job}: logged series, world{nb}size{nb}{ws}"
     if rate and rate.steps_per_s is not None:
-        title += f" ({rate.steps_per_rank:g} steps per rank, {rate.steps_per_s:,.1f} steps/s per rank)"
+        title += f" ({rate.steps_per_rank:g}{nb}steps per rank, {rate.steps_per_s:,.1f}{nb}steps/s per rank)"
     fig.suptitle(title, fontsize=11)
-    if notes:
-        text = "\n".join(dict.fromkeys(notes))
-        extra = (text.count("\n") + 1) * 0.15 + 0.2
-        fig.set_figheight(fig.get_figheight() + extra)
-        fig.text(0.01, 0.01, text, fontsize=8, color="#444444", ha="left", va="bottom")
-        fig.tight_layout(rect=(0, extra / fig.get_figheight(), 1, 1))
-    else:
-        fig.tight_layout()
+    fit_layout(fig, list(dict.fromkeys(notes)))  # the title wraps where the figure is narrower than it
     path = run_dir / f"series_world{ws}.png"
     fig.savefig(path, dpi=110)
     return path
@@ -282,7 +305,8 @@ def _thin(vals: list[float]) -> tuple[list[int], list[float]]:
 
 def default_summary(result: Mapping[str, Any]) -> dict[str, Any]:
     """The summary a job without a ``summarize`` hook gets: its logged series per rank as the
-    table, each stage's step rate in words (nothing when it logged nothing)."""
+    table, each stage's step rate in words (nothing when it logged nothing); for a ``script:``
+    job, which has no ``ctx.metrics``, a line saying that it gets no table and no plot."""
     data = summary_dict(result)
     out: dict[str, Any] = {"series": data["series"], "step_rates": data["step_rates"]}
     if data["rows"]:
@@ -292,6 +316,14 @@ def default_summary(result: Mapping[str, Any]) -> dict[str, Any]:
         for s in data["step_rates"]
         if isinstance(s.get("steps_per_s"), (int, float))
     ]
+    if (result.get("spec") or {}).get("script") and not data["rows"]:
+        # a torchrun script runs unchanged: it has no ctx, so it logs, times and counts nothing here
+        ranks = [r for r in result.get("ranks") or () if isinstance(r, Mapping)]
+        ok = sum(1 for r in ranks if r.get("status") == "ok")
+        out["conclusions"].append(
+            "a script: job has no ctx.metrics, so it gets no series table and no plot; what is measured is "
+            f"each stage's wall time and start-up (above), and how its ranks ended: {ok}/{len(ranks)} exited 0"
+        )
     return out
 
 

@@ -1,13 +1,15 @@
 """``python -m launcher.runtime.agent ARGS`` is ``torchrun ARGS``: PyTorch's own parser and elastic agent.
 
-Four additions: the agent dies with the launcher (a parent-death signal, so a SIGKILLed
+Five additions: the agent dies with the launcher (a parent-death signal, so a SIGKILLed
 launcher leaves no agent and hence no worker behind); it forwards its node's ranks' beacons and
 reports on its own output as they change (``launcher.runtime.forwarder``: the stage's live
 channel, whatever carries that output to the launcher); when workers fail it prints one
 machine-readable line per failure (rank, exit code, signal, OOM) for the launcher's report; and
 with ``--start-method=forkserver`` and the ``-m launcher.runtime.worker WORKER_JSON`` entrypoint, it
 hands torchrun ``launcher.worker.forked_rank`` as a function entrypoint instead of a command, so
-that torchrun forks the ranks from a multiprocessing forkserver that has imported torch once.
+that torchrun forks the ranks from a multiprocessing forkserver that has imported torch once; and
+node 0's agent serves the rendezvous store on ``--master-addr`` alone (127.0.0.1 for a stage on
+this machine), not on every interface as torch's own store does.
 
 Why a server and not the agent itself: torchrun's launcher API calls
 ``torch.cuda.is_available()`` in the agent, and children forked after CUDA is initialised cannot
@@ -113,12 +115,40 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.runtime.worker import forked_rank
 
         entrypoint, entry_args = forked_rank, [forked_config]
+    _serve_store_on_rendezvous_address()
     forwarder = _forwarder(int(args.node_rank), config.nproc_per_node)
     try:
         return _launch(config, entrypoint, entry_args, args, forked_config, oom_before)
     finally:
         if forwarder is not None:
             forwarder.stop()  # the reports the ranks wrote on their way out go too
+
+
+def _serve_store_on_rendezvous_address() -> None:
+    """The stage's store, which node 0's agent hosts for every rank (torchrun's static
+    rendezvous), listening on the rendezvous address alone (``--master-addr``: 127.0.0.1 for a
+    stage on this machine) instead of on every interface, through ``TCPStore(master_listen_fd=...)``
+    (``launcher.runtime.worker.serve_store``; torch's TCPStore has no option to bind one address).
+    The static rendezvous builds its store through its module's ``TCPStore``: the server is made
+    here, a client (the other nodes' agents) as before. Where the address is a name, or one this
+    machine does not hold, torch's own store serves it as before."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
+
+    from launcher.runtime.worker import serve_store
+
+    def store(
+        host_name: str, port: int, world_size: int | None = None, is_master: bool = False, timeout: timedelta = timedelta(seconds=300), **options: Any
+    ) -> Any:
+        if is_master:
+            served = serve_store(host_name, port, timeout, world_size=world_size, **options)  # wait_for_workers: as torch
+            if served is not None:
+                return served
+        return TCPStore(host_name, port, world_size, is_master, timeout, **options)
+
+    static_tcp_rendezvous.TCPStore = store  # type: ignore[assignment,misc]
 
 
 def _without_traceback(record: Any) -> bool:

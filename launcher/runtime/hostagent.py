@@ -324,6 +324,8 @@ class _Beacons:
                 for name, stamp in self.phase_stamps:
                     if _PHASE_ORDER.index(phase) >= _PHASE_ORDER.index(name):
                         stamps.setdefault(stamp, t)
+            if isinstance(data.get("phases"), dict):  # the rank's own stamps (RankProgress.phases), exact
+                stamps.update({k: float(v) for k, v in data["phases"].items() if isinstance(v, (int, float))})
             self.last[rank] = phase
 
     def write_stopped(self) -> None:

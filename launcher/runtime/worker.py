@@ -14,7 +14,9 @@ import time
 
 _T_STARTED = time.time()
 
+import errno  # noqa: E402
 import faulthandler  # noqa: E402
+import ipaddress  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -69,6 +71,7 @@ class ProgressBeacon:
         self.on_tick: Callable[[], None] = lambda: None  # after each write (a stall's request is answered here)
         self.extra: dict[str, Any] = {}  # the checkpoints' fields (RankProgress)
         self.watches_stop: Callable[[], bool] = lambda: False  # the job reads ctx.should_stop
+        self.stamps: Callable[[], Mapping[str, float]] = dict  # the rank's phase stamps so far (RankProgress.phases)
 
     def start(self) -> None:
         self.write()
@@ -79,6 +82,9 @@ class ProgressBeacon:
             beacon = {**self._identity, **self.extra, "phase": self.phase, "steps": self.steps(), "t": time.time()}
             if self.watches_stop():
                 beacon["watches_stop"] = True
+            stamps = dict(self.stamps())  # a copy: the rank's thread adds stamps meanwhile
+            if stamps:
+                beacon["phases"] = {k: round(v, 4) for k, v in stamps.items()}
             work_s = self.work_s()
             if work_s is not None:
                 mad, steps = self.work_spread()
@@ -149,10 +155,12 @@ class _Rank:
         self.report = _new_report(config, env, phases)
         self.paths = StagePaths(Path(config.stage_dir))
         self.beacon = ProgressBeacon(self.paths.progress(self.report.rank))
+        self.beacon.stamps = lambda: self.phases
         self.beacon.on_tick = RankAccount(self.paths, self.report.rank, phases).maybe_answer
         self.recorder: Any = None
         self.dist: Any = None
         self.undo_ddp_timing: Callable[[], None] = lambda: None
+        self.store_server: Any = None  # rank 0's own store, where no agent hosts one (serve_own_store)
 
     def prepare(self, step_hooks: Sequence[Callable[[int, float], None]]) -> tuple[Any, Any]:
         """Import torch and the job, pick the device, make the recorder: (entry function, device)."""
@@ -180,6 +188,26 @@ class _Rank:
         if self.report.world_size > 1 and self.config.time_ddp:  # every DDP model the job builds reports its own work per step
             self.undo_ddp_timing = _time_ddp_models(recorder.work_clock)  # undone in finish()
         return entry, device
+
+    def serve_own_store(self) -> None:
+        """Where no agent hosts the stage's store (Ray's ranks; torchrun's agent of node 0 hosts it
+        for its ranks), rank 0 serves it, as torch's env:// rendezvous would, but listening on the
+        rendezvous address alone where it can (``serve_store``: torch binds every interface);
+        then every rank, this one and a ``script:``'s own ``init_process_group`` included, joins
+        it as a client, as under torchrun (``TORCHELASTIC_USE_AGENT_STORE``)."""
+        if self.report.rank != 0 or os.environ.get(AGENT_STORE_ENV) == "True" or not os.environ.get("MASTER_ADDR"):
+            return
+        from datetime import timedelta
+
+        server = serve_store(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            timedelta(seconds=self.config.rendezvous_timeout_s),
+            use_libuv=os.environ.get("USE_LIBUV", "1") == "1",  # as torch's env:// reads it
+        )
+        if server is not None:
+            self.store_server = server
+            os.environ[AGENT_STORE_ENV] = "True"  # until finish(): a Ray actor may run another rank
 
     def join_group(self, device: Any) -> None:
         self.beacon.set_phase("rendezvous")
@@ -252,6 +280,9 @@ class _Rank:
         dist = self.dist
         if dist is not None and dist.is_available() and dist.is_initialized() and self.report.ok:
             dist.destroy_process_group()
+        if self.store_server is not None:  # the store stops listening with its last reference
+            self.store_server = None
+            os.environ.pop(AGENT_STORE_ENV, None)
 
 
 # A rank whose collective failed because a peer left waits this long before it says so and
@@ -281,6 +312,7 @@ def run_rank(
     rank.beacon.start()
     try:
         entry, device = rank.prepare(step_hooks)
+        rank.serve_own_store()
         if entry is None:
             rank.beacon.set_phase("running")
             enable_flight_recorder(_torch_version())  # read when the script makes its process group
@@ -348,6 +380,55 @@ class UnfitGpuError(RuntimeError):
     """The GPU a rank was granted is unhealthy (NVML): the rank does not start on it."""
 
 
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the store is served already; every rank is a client
+
+
+def store_listener(addr: str, port: int) -> int | None:
+    """A socket listening on ``addr:port`` alone, as the file descriptor ``TCPStore(master_listen_fd=...)``
+    takes (torch's own TCPStore server listens on every interface, ``::``, and has no option to
+    bind one address); None where torch's own bind must do: ``addr`` is a name, not an IP
+    address, or an address this machine does not hold (peers reach it through NAT, a
+    container's published port). On a rendezvous at 127.0.0.1 the store is reachable from this
+    machine alone. A port already taken raises OSError(EADDRINUSE)."""
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    if ip.is_unspecified:
+        return None
+    sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own listener
+        sock.bind((addr, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return None
+        raise
+    return sock.detach()  # the store's server owns it from here (libuv closes it when it stops)
+
+
+def serve_store(addr: str, port: int, timeout: Any, **options: Any) -> Any | None:
+    """A TCPStore server on ``addr:port`` alone (``store_listener``), with torch's own options
+    (``world_size``, ``wait_for_workers``, ``multi_tenant``, ``use_libuv``); None where torch's
+    own TCPStore, listening on every interface, must serve it. A port already taken raises
+    ``DistNetworkError`` naming EADDRINUSE, as torch's own bind does."""
+    from torch.distributed import DistNetworkError, TCPStore
+
+    try:
+        fd = store_listener(addr, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise DistNetworkError(f"the store cannot listen on {addr}:{port}: EADDRINUSE ({exc.strerror})") from exc
+        raise
+    if fd is None:
+        return None
+    world_size = options.pop("world_size", None)
+    options.setdefault("wait_for_workers", world_size is not None)
+    return TCPStore(addr, port, world_size, True, timeout, master_listen_fd=fd, **options)
+
+
 def _rendezvous(dist: Any, config: WorkerConfig) -> tuple[Any, int, int]:
     """Join the job's rendezvous, bounded by ``timeouts.rendezvous_s``: returns once every rank
     has arrived, with the store the process group will be built on, this rank and the world size.
@@ -356,7 +437,9 @@ def _rendezvous(dist: Any, config: WorkerConfig) -> tuple[Any, int, int]:
     separately: that one value is the env:// store's timeout, bounds gloo's connection to every
     peer (ProcessGroupGloo's context timeout) and is the group's collective timeout. So the
     rendezvous is done here, through the same env:// handler torch uses, and ends with a barrier
-    on the store; ``_init_group`` then builds the group with the collective timeout.
+    on the store; ``_init_group`` then builds the group with the collective timeout. The store
+    is a client of the one node 0's agent serves (torchrun) or rank 0 serves (``serve_own_store``),
+    either listening on the rendezvous address alone where it can.
     """
     from datetime import timedelta
 

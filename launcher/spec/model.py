@@ -196,6 +196,13 @@ class RaySettings(_Frozen):
     # (NVLink-friendly, spills over to more nodes when one is full), "spread" one rank per node
     # where it can; the strict_ forms fail instead of falling back.
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+    # What ``--address`` ships as the Ray job's working directory: this directory (relative to the
+    # spec; default: the spec's own), its regular files only, less what a .gitignore/.rayignore or
+    # ``excludes`` (gitignore patterns, as Ray's runtime_env excludes) leave out; a larger one than
+    # ``working_dir_max_mb`` is refused before anything is submitted.
+    working_dir: str | None = None
+    excludes: tuple[Annotated[str, StringConstraints(min_length=1, max_length=1024)], ...] = Field((), max_length=1024)
+    working_dir_max_mb: Real = Field(50, gt=0, le=500)
 
 
 # Slurm's own words for a time limit: MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS,

@@ -158,10 +158,18 @@ def user_threads(spec_env: Mapping[str, str], share: int) -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface: 127.0.0.1 and ::1
+LOOPBACK_ADDR = "127.0.0.1"
+
+
 def node_env(
     spec_env: Mapping[str, str], target: NodeTarget, threads: int | None, paths: StagePaths, *, multi_node: bool
 ) -> dict[str, str]:
-    """The environment every rank of a node starts with; the spec's own settings win."""
+    """The environment every rank of a node starts with; the spec's own settings win.
+
+    A stage whose ranks are all on this machine (one node, no SSH: torchrun here, an embedded or
+    one-node Ray) keeps torch.distributed's sockets on loopback; a stage across nodes uses the
+    node's ``ifname`` where one is known."""
     env = {
         "PYTHONUNBUFFERED": "1",
         ENV_HOST: target.name,
@@ -174,7 +182,13 @@ def node_env(
     }
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    if target.ifname and (multi_node or target.ssh is not None):
+    if not multi_node and target.ssh is None:
+        # every rank on this machine: gloo's pair listeners and NCCL's bootstrap listen on loopback
+        # alone (gloo would take whatever the hostname resolves to; NCCL the first non-loopback
+        # interface), as the store does (runtime.worker.serve_store, on a rendezvous at 127.0.0.1)
+        env["GLOO_SOCKET_IFNAME"] = LOOPBACK_IFNAME
+        env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
+    elif target.ifname:
         # across nodes, talk over the interface that reaches the others (unless the spec chose one)
         env["GLOO_SOCKET_IFNAME"] = target.ifname
         env["NCCL_SOCKET_IFNAME"] = target.ifname
@@ -202,7 +216,8 @@ class RankPlacement:
 def place_ranks(plan: StagePlan, placements: Sequence[RankPlacement]) -> StagePlan:
     """The plan of the layout a scheduler chose: nodes in the order of their first rank, ranks
     numbered as placed, local ranks and threads per node, and on GPUs each node's granted devices
-    visible with every rank on ``cuda:<its index there>``. A node is named by its hostname, or by
+    visible with every rank on ``cuda:<its index there>``; ranks all on one node meet on its
+    loopback (127.0.0.1, rank 0's port), else at rank 0's address. A node is named by its hostname, or by
     its address where two nodes share one (containers, namespaces), so that logs and metrics
     still tell them apart."""
     by_rank = sorted(placements, key=lambda p: p.rank)
@@ -227,7 +242,9 @@ def place_ranks(plan: StagePlan, placements: Sequence[RankPlacement]) -> StagePl
             device = rank_device(plan.device_type, local_rank)
             extra = {ENV_GRANTED_GPU: mine} if plan.device_type == "cuda" else {}
             ranks.append(RankSlot(p.rank, local_rank, node_rank, name, device, extra))
-    rendezvous = Rendezvous(by_rank[0].address, by_rank[0].port or plan.rendezvous.port)
+    # every rank on one node: they meet on its loopback (the port is rank 0's free one), as gloo and NCCL do (node_env)
+    address = LOOPBACK_ADDR if len(node_ids) == 1 else by_rank[0].address
+    rendezvous = Rendezvous(address, by_rank[0].port or plan.rendezvous.port)
     return replace(plan, nodes=tuple(nodes), ranks=tuple(sorted(ranks, key=lambda r: r.rank)), rendezvous=rendezvous)
 
 

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from launcher.masking import mask_env
+from launcher.results.series import timer_summary
 from launcher.results.store import RunResult
 from launcher.runtime.devices import NodeInventory
 from launcher.stage.engine import LaunchRequest
@@ -73,16 +74,17 @@ def runs_table(title: str, rows: Sequence[Sequence[str]]) -> Any:
 def plan_renderables(plans: Sequence[StagePlan], requests: Sequence[LaunchRequest]) -> list[Any]:
     """Per stage: the rank table, each node's env, and the backend's own launch request."""
     out: list[Any] = []
-    # host names and log paths may wrap: they are what is long, the rest is short and must stay whole
-    names = ("rank", "node", "host", "local", "device", "pg", "log")
-    columns = [_Col(name, justify="left", whole=name not in ("host", "log")) for name in names]
+    # host names may wrap: they are what is long, the rest is short and must stay whole
+    names = ("rank", "node", "host", "local", "device", "pg")
+    columns = [_Col(name, justify="left", whole=name != "host") for name in names]
     for plan, request in zip(plans, requests):
-        rows = [
-            (str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, plan.pg_backend, str(plan.paths.log(r.rank)))
-            for r in plan.ranks
-        ]
+        rows = [(str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, plan.pg_backend) for r in plan.ranks]
         title = f"{plan.job}: world size {plan.world_size}, rendezvous {plan.rendezvous}"
         out.append(_FittedTable(title, columns, rows))
+        # each log path under the table, whole on its own line (a table column would fold it at 80
+        # columns): printed as a Text, it is never wrapped, so it can be copied as it is
+        width = len(str(max((r.rank for r in plan.ranks), default=0)))
+        out.append(Text("\n".join(f"rank {r.rank:<{width}} log: {plan.paths.log(r.rank)}" for r in plan.ranks), style="dim"))
         for node in plan.nodes:
             env = " ".join(f"{k}={v}" for k, v in mask_env(node.env).items())
             out.append(Text(f"[{node.host}] env: {env}", style="dim"))
@@ -104,6 +106,7 @@ def summary_renderables(result: Mapping[str, Any], *, traceback_shown: bool = Fa
         for s in result["stages"]
     ]
     out.append(_FittedTable(f"{result['job']} [{result['backend']}]: {result['status']}", _STAGE_COLUMNS, stage_rows))
+    out.extend(timer_renderables(result))
     summary = result.get("summary") or {}
     if summary.get("rows"):
         names = summary.get("columns") or list(summary["rows"][0])
@@ -121,6 +124,35 @@ def summary_renderables(result: Mapping[str, Any], *, traceback_shown: bool = Fa
     if result.get("failure"):
         out.extend(failure_renderables(result["failure"], traceback_shown=traceback_shown))
     return out
+
+
+MAX_TIMER_ROWS = 24  # timers shown in the summary; the rest are named as a count (all are in result.json)
+
+
+def timer_renderables(result: Mapping[str, Any]) -> list[Any]:
+    """What the job timed with ``ctx.metrics.timer``: per stage and timer, the median block and
+    how many blocks, over every rank that timed it (nothing when the job timed nothing)."""
+    rows = timer_summary(result)
+    if not rows:
+        return []
+    cells = [(str(r.world_size), r.timer, _duration(r.median_ms), str(r.count), str(r.ranks)) for r in rows[:MAX_TIMER_ROWS]]
+    columns = (_Col("world"), _Col("timer", justify="left"), _Col("median"), _Col("count"), _Col("ranks"))
+    out: list[Any] = [_FittedTable("timers (ctx.metrics.timer): median of every rank's blocks", columns, cells)]
+    if len(rows) > MAX_TIMER_ROWS:
+        more = len(rows) - MAX_TIMER_ROWS
+        out.append(Text(f"{more} more timer row(s) not shown: result.json has them all (ranks[].metrics.times_ms)", style="dim"))
+    return out
+
+
+def _duration(ms: float | None) -> str:
+    """A duration in the unit that suits it: 812 µs, 12.3 ms, 4.56 s, 1,234 s."""
+    if ms is None:
+        return "-"
+    if ms < 1:
+        return f"{ms * 1e3:.3g} µs"
+    if ms < 1e3:
+        return f"{ms:.3g} ms"
+    return f"{ms / 1e3:.3g} s" if ms < 1e6 else f"{ms / 1e3:,.0f} s"
 
 
 def _straggler_lines(stages: list[Mapping[str, Any]]) -> list[Text]:
@@ -280,11 +312,17 @@ class _FittedTable:
                 break
         else:  # no layout keeps every status and number whole: fold the widest, not every column a little
             widths = _narrow(widths, [1] * len(widths), room)
-        yield self._table(style, headers, widths)
+        chrome = options.max_width - room
+        if cell_len(self.title) > sum(widths) + chrome:
+            # a title wider than its table would wrap to the table's width: it gets its own line(s)
+            yield Text(self.title, style="table.title")
+            yield self._table(style, headers, widths, titled=False)
+        else:
+            yield self._table(style, headers, widths)
 
-    def _table(self, style: Mapping[str, Any], headers: Sequence[str], widths: Sequence[int]) -> Table:
+    def _table(self, style: Mapping[str, Any], headers: Sequence[str], widths: Sequence[int], *, titled: bool = True) -> Table:
         # escape: "job [torchrun]: ..." is text; as rich markup the "[torchrun]" would vanish
-        table = Table(title=escape(self.title), **style)
+        table = Table(title=escape(self.title) if titled else None, **style)
         for col, header, width in zip(self.columns, headers, widths):
             # the widths are ours, so rich wraps within them instead of choosing which column to cut
             table.add_column(escape(header), justify=col.justify, overflow="fold", width=width)

@@ -49,7 +49,9 @@ def rerender(path: Path) -> int:
 
 def _headline(result: dict[str, Any]) -> str:
     """The run's one figure worth a glance: the job's own ``summary.headline`` when it gives one,
-    else its wall time and steps per rank; a failure's summary line for a failed run."""
+    else its wall time, its steps per rank where it counted any (a ``script:`` job, or one that
+    never calls ``ctx.metrics.step()``, counts none: its 0 is no measurement) and, where no steps
+    say what it did, how its ranks ended; a failure's summary line for a failed run."""
     summary = result.get("summary") or {}
     failure = result.get("failure") or {}
     if failure:
@@ -58,9 +60,21 @@ def _headline(result: dict[str, Any]) -> str:
         return str(summary["headline"])
     parts = [f"{result['wall_s']:.1f} s"] if isinstance(result.get("wall_s"), (int, float)) else []
     steps = summary.get("steps_per_rank")
-    if isinstance(steps, (int, float)):
+    if isinstance(steps, (int, float)) and not isinstance(steps, bool) and steps > 0:
         parts.append(f"{steps:g} steps/rank")
+    else:
+        parts.extend(_exits(result))
     return ", ".join(parts)
+
+
+def _exits(result: dict[str, Any]) -> list[str]:
+    """How the ranks ended: "2/2 ranks exit 0" where they all returned (a script's exit status 0,
+    an entrypoint's return); nothing where the result lists no rank."""
+    ranks = [r for r in result.get("ranks") or () if isinstance(r, dict)]
+    if not ranks:
+        return []
+    ok = sum(1 for r in ranks if r.get("status") == "ok")
+    return [f"{ok}/{len(ranks)} rank{'s' if len(ranks) > 1 else ''} exit 0"]
 
 
 def list_runs(root: Path, job: str | None = None, limit: int = 20) -> int:

@@ -1,5 +1,6 @@
 """Plot helpers the workloads share: notes under the axes, integer worker ticks, error bars from
-a figure's min-max, gaps (never zeros) where nothing was measured. matplotlib is imported lazily."""
+a figure's min-max, gaps (never zeros) where nothing was measured, titles wrapped to the room they
+have (``fit_layout``: never cut off at the figure's edge). matplotlib is imported lazily."""
 
 from __future__ import annotations
 
@@ -9,27 +10,77 @@ from typing import Any, Mapping, Sequence
 
 
 def save_figure(fig: Any, run_dir: Path, name: str, notes: list[str] | None = None) -> Path:
-    """Save ``fig`` as ``run_dir/name``; ``notes`` are written under the axes, never over data."""
-    import textwrap
-
+    """Save ``fig`` as ``run_dir/name``; ``notes`` are written under the axes, never over data,
+    and no title is cut off at the figure's edge (``fit_layout``)."""
     import matplotlib.pyplot as plt
 
-    notes = [n for n in notes or [] if n]
-    if notes:
-        # the notes get room of their own under the axes: the figure grows, the axes keep their size
-        width = int(fig.get_figwidth() * 13)
-        text = "\n".join(textwrap.fill(n, width) for n in notes)
-        extra = (text.count("\n") + 1) * 0.15 + 0.2  # inches
-        height = fig.get_figheight() + extra
-        fig.set_figheight(height)
-        fig.text(0.01, 0.01, text, ha="left", va="bottom", fontsize=8, color="#444444")
-        fig.tight_layout(rect=(0, extra / height, 1, 1))
-    else:
-        fig.tight_layout()
+    fit_layout(fig, notes)
     path = Path(run_dir) / name
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# The room a title may take: the figure's width (its own title) or its axes' (an axes' title),
+# less this share on each side, so that a few pixels of rounding at another dpi cut nothing.
+_EDGE = 0.01
+_NARROWEST = 8  # characters per line: a title is never wrapped narrower (a longer word is broken)
+
+
+def fit_layout(fig: Any, notes: Sequence[str] | None = None) -> None:
+    """Lay ``fig`` out for saving: its title and every axes' title wrapped, at spaces, to the
+    width they have (the figure grows by the title's new lines, so its axes keep their height);
+    ``notes`` in a band of their own under the axes, wrapped to the figure's width; then
+    ``tight_layout``. After it every title and note lies inside the figure."""
+    renderer = _renderer(fig)
+    title = fig._suptitle  # noqa: SLF001 - the Text of fig.suptitle(), or None
+    if title is not None:
+        lines = title.get_text().count("\n")
+        if _wrap_to(title, fig.bbox.width * (1 - 2 * _EDGE), renderer):
+            grown = (title.get_text().count("\n") - lines) * title.get_fontsize() * 1.25 / 72
+            fig.set_figheight(fig.get_figheight() + grown)
+    band = 0.0
+    notes = [n for n in notes or () if n]
+    if notes:
+        # the notes get room of their own under the axes: the figure grows, the axes keep their size
+        text = fig.text(0.01, 0.01, "\n".join(notes), ha="left", va="bottom", fontsize=8, color="#444444")
+        _wrap_to(text, fig.bbox.width * (0.99 - _EDGE), renderer)
+        band = (text.get_text().count("\n") + 1) * 0.15 + 0.2  # inches
+        fig.set_figheight(fig.get_figheight() + band)
+    rect = (0, band / fig.get_figheight(), 1, 1)
+    fig.tight_layout(rect=rect)
+    for _ in range(3):  # each axes' title to the axes' width once laid out (which a wrapped title narrows again)
+        if not any([_wrap_to(ax.title, ax.bbox.width * (1 - 2 * _EDGE), renderer) for ax in fig.axes if ax.get_visible()]):
+            break
+        fig.tight_layout(rect=rect)
+
+
+def _renderer(fig: Any) -> Any:
+    canvas = fig.canvas
+    if not hasattr(canvas, "get_renderer"):  # a Figure() made without a canvas: Agg's
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        canvas = FigureCanvasAgg(fig)
+    return canvas.get_renderer()
+
+
+def _wrap_to(text: Any, room: float, renderer: Any) -> bool:
+    """Wrap a matplotlib ``Text`` at spaces until it is at most ``room`` pixels wide (a word wider
+    than that is broken, at ``_NARROWEST`` characters); its own line breaks are kept. Whether it
+    had to be wrapped."""
+    import textwrap
+
+    content = text.get_text()
+    width = text.get_window_extent(renderer).width
+    if not content or width <= room:
+        return False
+    paragraphs = content.split("\n")
+    chars = max(_NARROWEST, int(max(len(p) for p in paragraphs) * room / width))
+    while True:
+        text.set_text("\n".join(textwrap.fill(p, chars, break_on_hyphens=False) for p in paragraphs))
+        if text.get_window_extent(renderer).width <= room or chars <= _NARROWEST:
+            return True
+        chars = max(_NARROWEST, chars - max(1, chars // 10))
 
 
 def devices_label(result: Mapping[str, Any]) -> str:

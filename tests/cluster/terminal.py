@@ -4,6 +4,8 @@ namespace."""
 
 from __future__ import annotations
 
+import os
+
 import re
 import shlex
 import subprocess
@@ -28,7 +30,7 @@ class TerminalRun:
             cluster.ns_cmd("script", "-qfec", command, "/dev/null"),
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "TERM": "xterm", "COLUMNS": "200", "LINES": "50", "PYTHONPATH": str(REPO),
-                 **(env or {})},
+                 "GPULAUNCH_PROM_SD_DIR": os.environ["GPULAUNCH_PROM_SD_DIR"], **(env or {})},
         )  # fmt: skip
         self.text = ""
         self.last_scrape = ""

@@ -1,5 +1,8 @@
 """A real Prometheus for the monitoring tests: started from a config file, listening on a free
-127.0.0.1 port, its TSDB in the test's tmp dir, killed by pid in a finalizer (even on failure)."""
+127.0.0.1 port, its TSDB in the test's tmp dir, killed by pid in a finalizer (even on failure).
+
+And a discovery directory of the session's own: no launch of these tests announces itself in
+/tmp/gpulaunch/prom_sd/, the directory a real Prometheus on this machine may watch."""
 
 from __future__ import annotations
 
@@ -13,12 +16,33 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
+from launcher.control.metrics_endpoint import DEFAULT_SD_DIR, SD_DIR_ENV
 from tests.ports import unshared_port
 from tests.waiting import poll
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_sd_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """GPULAUNCH_PROM_SD_DIR for the session, unless it names a private directory already (the
+    suite's conftest sets one for every test folder): every launch here, in this process or a child
+    (children inherit the environment), writes its file-SD entry there."""
+    current = os.environ.get(SD_DIR_ENV)
+    if current and Path(current) != DEFAULT_SD_DIR:
+        yield Path(current)
+        return
+    path = tmp_path_factory.mktemp("prom_sd")
+    os.environ[SD_DIR_ENV] = str(path)
+    try:
+        yield path
+    finally:
+        if current is None:
+            os.environ.pop(SD_DIR_ENV, None)
+        else:
+            os.environ[SD_DIR_ENV] = current
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -15,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from launcher import metric_names as me
 from launcher.control import metrics_endpoint as endpoint_module
 from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample
+from launcher.procutil import process_start_ticks
+from tests.monitoring.conftest import wait_for
 
 
 class FakeClock:
@@ -186,7 +191,8 @@ def test_writes_a_file_sd_entry_while_live(tmp_path):
     ep = MetricsEndpoint()
     port = ep.start(sd_dir=sd_dir, sd_name="matmul_scaling-run-1")
     entry = sd_dir / "matmul_scaling-run-1.json"
-    assert json.loads(entry.read_text()) == [{"targets": [f"127.0.0.1:{port}"]}]
+    owner = {endpoint_module.SD_PID_LABEL: str(os.getpid()), endpoint_module.SD_PID_START_LABEL: str(process_start_ticks())}
+    assert json.loads(entry.read_text()) == [{"targets": [f"127.0.0.1:{port}"], "labels": owner}]  # who wrote it: see the sweep
     assert sd_dir.stat().st_mode & 0o1777 == 0o1777  # shared by every user's runs, like /tmp
     assert [p.name for p in sd_dir.iterdir()] == [entry.name]  # no temporary file left behind
     ep.close()
@@ -212,3 +218,75 @@ def test_names_labels_and_buckets_for_the_ray_actors():
     assert b[:6] == (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005)  # 1-2-5 per decade, exact labels
     mantissas = {f"{x:e}".split("e")[0] for x in b}
     assert mantissas == {"1.000000", "2.000000", "5.000000"} and len(b) == 3 * 7
+
+
+def sd_entry(directory, name: str, target: str, pid: int | None = None, started: int | None = None) -> str:
+    """A file-SD entry as an endpoint writes it (owner labels only when ``pid`` is given: older
+    launchers wrote none)."""
+    group: dict = {"targets": [target]}
+    if pid is not None:
+        group["labels"] = {endpoint_module.SD_PID_LABEL: str(pid)}
+        if started is not None:
+            group["labels"][endpoint_module.SD_PID_START_LABEL] = str(started)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps([group]))
+    return f"{name}.json"
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_start_removes_the_entries_of_launchers_that_are_gone(tmp_path):
+    sd_dir = tmp_path / "prom_sd"
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()  # a launcher that is gone: its pid runs nothing now
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.DEVNULL)
+    listening = socket.create_server(("127.0.0.1", 0))
+    try:
+        live_start = wait_for(lambda: process_start_ticks(live.pid), 10, "the live process's start time")
+        dead = sd_entry(sd_dir, "dead", "127.0.0.1:1", finished.pid, 1)
+        reused = sd_entry(sd_dir, "reused", "127.0.0.1:2", live.pid, live_start - 1)  # the pid runs another process now
+        alive = sd_entry(sd_dir, "alive", "127.0.0.1:3", live.pid, live_start)
+        pid_only = sd_entry(sd_dir, "pid-only", "127.0.0.1:4", live.pid)
+        old_dead = sd_entry(sd_dir, "old-dead", f"127.0.0.1:{closed_port()}")  # no owner: nothing listens on its port
+        old_live = sd_entry(sd_dir, "old-live", f"127.0.0.1:{listening.getsockname()[1]}")  # no owner, but served
+        remote = sd_entry(sd_dir, "remote", "192.0.2.1:9100")  # no owner, not on this machine: not ours to judge
+        (sd_dir / "garbage.json").write_text("{not json")
+        mine = MetricsEndpoint()
+        mine.start(sd_dir=sd_dir, sd_name="mine")
+        try:
+            kept = sorted(p.name for p in sd_dir.iterdir())
+            assert kept == sorted([alive, pid_only, old_live, remote, "garbage.json", "mine.json"]), kept
+            assert dead not in kept and reused not in kept and old_dead not in kept
+            with MetricsEndpoint() as other:  # two runs in one process: neither removes the other's entry
+                other.start(sd_dir=sd_dir, sd_name="other")
+                assert (sd_dir / "mine.json").exists() and (sd_dir / "other.json").exists()
+            assert not (sd_dir / "other.json").exists()
+        finally:
+            mine.close()
+        assert not (sd_dir / "mine.json").exists()
+    finally:
+        listening.close()
+        live.kill()
+        live.wait()
+
+
+def test_a_live_endpoint_keeps_removing_the_entries_of_launchers_that_are_gone(tmp_path):
+    sd_dir = tmp_path / "prom_sd"
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    ep = MetricsEndpoint(sd_sweep_s=0.1)
+    ep.start(sd_dir=sd_dir, sd_name="mine")
+    try:
+        dead = sd_dir / sd_entry(sd_dir, "killed-later", "127.0.0.1:1", finished.pid, 1)  # appears after this run began
+        wait_for(lambda: not dead.exists(), 30, "the live endpoint's sweep to remove the dead launcher's entry")
+        assert (sd_dir / "mine.json").exists()
+        sweeper = ep._sweeper
+        assert sweeper is not None and sweeper.is_alive()
+    finally:
+        ep.close()
+    assert not sweeper.is_alive()  # close stops the sweep
+    assert not list(sd_dir.iterdir())

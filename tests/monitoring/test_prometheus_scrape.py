@@ -6,6 +6,7 @@ Grafana dashboard runs on it too."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import yaml
 
 pytest.importorskip("prometheus_client")
 
-from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample
+from launcher.control.metrics_endpoint import SD_PID_LABEL, MetricsEndpoint, RankSample, StageSample
 from tests.conftest import REPO
 from tests.monitoring.conftest import wait_for
 
@@ -103,6 +104,9 @@ def test_prometheus_scrapes_one_series_per_rank_with_the_right_labels(tmp_path, 
             targets = wait_for(lambda: [t for t in prom.active_targets() if t["labels"].get("job") == "gpulaunch" and t["health"] == "up"],
                                30, "the endpoint as a healthy target (found through file SD)")
             assert targets[0]["scrapeUrl"] == f"http://127.0.0.1:{port}/metrics"
+            # the entry names its launcher (see sweep_sd_dir); Prometheus keeps that out of the series
+            assert targets[0]["discoveredLabels"][SD_PID_LABEL] == str(os.getpid()), targets[0]
+            assert SD_PID_LABEL not in targets[0]["labels"]
 
             rate_q = f'rate(gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}[5s])'
             full_window = f'count_over_time(gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}[5s]) >= 5'

@@ -1,7 +1,8 @@
 """A run submitted through the Ray Jobs API shows the same live progress on the submitting console
-as a local run: the launcher inside the job writes its stages' progress into the job's log over the
-remote-run wire, the submitting side turns it back into progress events (and serves them on its
-own /metrics), and neither its printed output nor ``launch logs`` ever shows the wire's lines.
+as a local run: the launcher inside the job writes its stages' progress over the remote-run wire
+(a file of its own beside the job's log, streamed through the dashboard), the submitting side
+turns it back into progress events (and serves them on its own /metrics, under the run's id), and
+neither its printed output, nor ``launch logs``, nor the job's log itself ever holds the wire's lines.
 
 The run is submitted in-process (``launcher.run_job(..., address=)``) with a console that records
 what it was told, so the test sees the progress readings themselves; the console prints to a pipe,
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -49,6 +52,13 @@ class RecordingUI(RunUI):
         super().__init__(Console(file=self.out, force_terminal=False, width=200))
         self.readings: list[StageProgress] = []
         self.stages: list[tuple[str, int]] = []
+        self.metrics_url: str | None = None
+        self.metrics_run_ids: set[str] = set()  # the run_id labels /metrics served while the ranks ran
+
+    def message(self, text: str) -> None:
+        if text.startswith("metrics: "):
+            self.metrics_url = text.split()[1]
+        super().message(text)
 
     def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
         self.stages.append(("started", world_size))
@@ -57,6 +67,9 @@ class RecordingUI(RunUI):
     def progress(self, progress: StageProgress) -> None:
         self.readings.append(progress)
         super().progress(progress)
+        if self.metrics_url and not self.metrics_run_ids:  # the endpoint has the readings before this one
+            with urllib.request.urlopen(self.metrics_url, timeout=10) as answer:
+                self.metrics_run_ids = set(re.findall(r'run_id="([^"]*)"', answer.read().decode()))
 
     def stage_finished(self) -> None:
         self.stages.append(("finished", 0))
@@ -121,6 +134,13 @@ def test_a_jobs_api_run_shows_live_progress_and_never_its_tagged_lines(
     assert logs.returncode == 0, logs.stderr
     assert "@gpulaunch" not in logs.stdout, logs.stdout[-3000:]
     assert "stepper: world size 2 on cpu (ray)" in logs.stdout and "stepper: rank 0 step" in logs.stdout
+    raw = head_token.rest(f"/api/jobs/{job_id}/logs")["logs"]  # the dashboard's Logs pane: for people only
+    assert "@gpulaunch" not in raw and "stepper: rank 1 step" in raw and "stepper: succeeded" in raw, raw[-3000:]
+
+    # one id: the Ray job, the run directory, result.json and the /metrics labels
+    run_id = result.data["run_id"]
+    assert job_id == f"stepper-{run_id}" and result.run_dir.name == run_id and result.run_dir.parent.name == "stepper"
+    assert ui.metrics_run_ids == {run_id}, (ui.metrics_url, ui.metrics_run_ids)
 
 
 LOGGER = '''

@@ -95,7 +95,7 @@ def test_the_sbatch_script(tmp_path):
     lines = script.splitlines()
     sbatch = [ln for ln in lines if ln.startswith("#SBATCH ")]
     assert sbatch == [
-        "#SBATCH --job-name=tiny", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=2",
+        "#SBATCH --job-name=tiny-r1", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=2",
         "#SBATCH --gpus-per-node=2", "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high",
         "#SBATCH --time=0:14:00", "#SBATCH --constraint=a100&ib", "#SBATCH --output=/shared/runs/tiny/r1/slurm-%j.out",
         "#SBATCH --chdir=/shared/proj", "#SBATCH --export=ALL", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@90",
@@ -106,6 +106,18 @@ def test_the_sbatch_script(tmp_path):
     # a one-minute grace: the warning 90 s before the time limit (Slurm may send it a minute sooner)
     graced = job(tmp_path, "preemption: {grace_s: 59.5}\nslurm: {time: '0:10:00'}\n")
     assert "#SBATCH --signal=B:USR1@90\n" in sbatch_script(graced, allocation_for(graced, DEBUG), Path("/r"), python="p", cwd=Path("/"))
+
+
+def test_the_slurm_job_is_named_after_the_run_it_runs(tmp_path):
+    """One id for the run: the run directory <job>/<run id>, the Slurm job <job>-<run id>."""
+    from launcher.records import new_run_id
+
+    loaded = job(tmp_path)
+    run_id = new_run_id()
+    run_dir = tmp_path / "runs" / "tiny" / run_id
+    script = sbatch_script(loaded, allocation_for(loaded, DEBUG), run_dir, python="p", cwd=tmp_path)
+    assert [ln for ln in script.splitlines() if ln.startswith("#SBATCH --job-name=")] == [f"#SBATCH --job-name=tiny-{run_id}"]
+    assert slurm_script.job_name("tiny", run_dir) == f"tiny-{run_id}"
 
 
 def test_a_time_limit_within_the_warnings_reach_is_refused(tmp_path):

@@ -17,12 +17,17 @@ import pytest
 from rich.console import Console
 
 from launcher.control.api import dry_run, run_job
+from rich.text import Text
+
 from launcher.ui.console import (
+    MAX_TIMER_ROWS,
     RunUI,
     _cell,
+    _duration,
     devices_table,
     plan_renderables,
     summary_renderables,
+    timer_renderables,
 )
 from launcher.runtime.devices import NodeInventory, parse_nvidia_smi_csv
 from launcher.spec.model import load_job
@@ -103,7 +108,9 @@ def test_the_workload_table_keeps_numbers_whole(result: dict[str, Any], width: i
     for row in summary["rows"]:
         row["gflops"] *= scale
         row["gflops_per_rank"] *= scale
-    text = render(summary_renderables(scaled)[1:2], width)
+    table = [t for t in summary_renderables(scaled) if getattr(t, "title", None) == summary["title"]]  # the workload's own
+    assert len(table) == 1
+    text = render(table, width)
     assert_fits(text, width)
     # numbers and single tokens stay whole on their row; a column of words (a note) may wrap
     numeric = [c for c in summary["columns"] if not any(" " in _cell(row[c]) for row in summary["rows"])]
@@ -113,17 +120,26 @@ def test_the_workload_table_keeps_numbers_whole(result: dict[str, Any], width: i
         assert any(line[: len(cells)] == cells for line in lines), f"no line holds {cells}:\n{text}"
 
 
-def test_the_dry_run_plan_keeps_log_paths_whole_at_80_columns(tmp_path: Path) -> None:
-    dry = dry_run(load_job(JOB), out=tmp_path)
-    text = render(plan_renderables(dry.plans, dry.requests), 80)
-    assert_fits(text, 80)
-    # a log path may fold onto a second line, inside its column, and is the last column
-    joined = "".join(CELLS.findall(text))
+@pytest.mark.parametrize("out", ["runs", "a/much/longer/directory/for/the/runs/of/this/team/than/a/line/holds"])
+def test_the_dry_run_plan_keeps_log_paths_whole_on_a_line_of_their_own(tmp_path: Path, out: str) -> None:
+    """A log path in a table column was folded mid-word at 80 columns ("runs/matmul_s│caling/..."):
+    each is printed under its stage's table, whole on one line, however long (never wrapped)."""
+    dry = dry_run(load_job(JOB), out=tmp_path / out)
+    things = plan_renderables(dry.plans, dry.requests)
+    console = Console(width=80, record=True, file=io.StringIO())
+    for thing in things:  # as `launch --dry-run` prints them: its Text lines are never wrapped
+        console.print(thing, soft_wrap=isinstance(thing, Text))
+    text = console.export_text()
+    lines = text.splitlines()
     for plan in dry.plans:
         for r in plan.ranks:
-            assert str(plan.paths.log(r.rank)) in joined
+            path = str(plan.paths.log(r.rank))
+            assert f"rank {r.rank} log: {path}" in lines, text
             short = [str(r.rank), str(r.node_rank), r.host, str(r.local_rank), r.device, plan.pg_backend]
-            assert any(cells[:6] == short for cells in map(CELLS.findall, text.splitlines())), text
+            assert any(cells == short for cells in map(CELLS.findall, lines)), text
+        assert f"{plan.job}: world size {plan.world_size}, rendezvous {plan.rendezvous}" in lines  # its title, on one line
+    tables = [line for line in lines if line.startswith(("┃", "│", "┏", "└"))]
+    assert tables and all(len(line) <= 80 for line in tables) and "…" not in text
 
 
 def test_the_device_table_keeps_uuids_whole_at_80_columns() -> None:
@@ -135,6 +151,34 @@ def test_the_device_table_keeps_uuids_whole_at_80_columns() -> None:
     for gpu in inv.gpus:
         assert gpu.uuid in joined
         assert f"{gpu.memory_used_mib} / {gpu.memory_total_mib}" in text
+
+
+def test_the_summary_lists_each_timer_with_its_median_and_count(result: dict[str, Any]) -> None:
+    """What the job timed with ctx.metrics.timer (matmul: one timer per size) is in the summary:
+    per stage and timer, the median block over every rank, the count of blocks and of ranks."""
+    from statistics import median
+
+    text = render(summary_renderables(result), 80)
+    assert_fits(text, 80)
+    assert "timers (ctx.metrics.timer)" in text
+    timed = [(r["world_size"], name, times) for r in result["ranks"] for name, times in r["metrics"]["times_ms"].items()]
+    assert timed, result["ranks"]
+    for world, name, times in timed:
+        shown = _duration(median(times)).split()
+        assert_rows(text, [[str(world), name, *shown, str(len(times)), "1"]])
+
+
+def test_timers_beyond_the_cap_are_counted_and_durations_take_their_unit(result: dict[str, Any]) -> None:
+    many = copy.deepcopy(result)
+    many["ranks"][0]["metrics"]["times_ms"] = {f"t{i:02d}": [float(i)] for i in range(MAX_TIMER_ROWS + 3)}
+    text = render(timer_renderables(many), 80)
+    assert "t00" in text and f"t{MAX_TIMER_ROWS - 1}" in text and f"t{MAX_TIMER_ROWS}" not in text
+    assert "3 more timer row(s) not shown" in text
+    assert [_duration(x) for x in (None, 0.0123, 12.345, 4560.0, 7.2e6)] == ["-", "12.3 µs", "12.3 ms", "4.56 s", "7,200 s"]
+    nothing = copy.deepcopy(result)
+    for r in nothing["ranks"]:
+        r["metrics"]["times_ms"] = {}
+    assert timer_renderables(nothing) == [] and "timers" not in render(summary_renderables(nothing), 80)
 
 
 def test_a_workload_summary_without_a_title_still_shows_its_table(result: dict[str, Any]) -> None:

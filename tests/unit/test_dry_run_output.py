@@ -59,3 +59,18 @@ def test_a_slurm_dry_run_with_no_controller_to_ask_says_so_in_slurms_own_words(t
     done = _slurm_dry_run(tmp_path, {"SLURM_CONF": str(tmp_path / "no-such-slurm.conf")})
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --nodes=2" in done.stdout and "note: could not reach Slurm (sinfo -h -N" in done.stdout, done.stdout
+
+
+def test_piped_dry_run_prints_every_log_path_whole_on_one_line(tmp_path):
+    """Piped at 80 columns, a log path in the rank table was folded mid-word
+    (``runs/matmul_s│caling/<run-id>/world1/logs/ran│k0.log``): each is on a line of its own."""
+    out = tmp_path / "team runs" / "a directory name long enough to fill most of a line by itself"
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-m", "launcher", "jobs/matmul_scaling.yaml", "--dry-run", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    lines = done.stdout.splitlines()
+    paths = [f"{out}/matmul_scaling/<run-id>/world{ws}/logs/rank{r}.log" for ws in (1, 2) for r in range(ws)]
+    for path in paths:  # the scaling run's two stages: world 1 (rank 0), world 2 (ranks 0, 1)
+        assert sum(line.endswith(f"log: {path}") for line in lines) == 1, done.stdout
+    assert not any("│" in line and "logs" in line for line in lines), done.stdout  # no path left in a table
+    assert all(len(line) <= 80 for line in lines if line[:1] in "┃│┏┡└━─"), done.stdout  # the tables fit

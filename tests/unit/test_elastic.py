@@ -14,12 +14,15 @@ from launcher.control.planning import size_run
 from launcher.errors import PlanError, SpecError
 from launcher.runtime.devices import discover
 from launcher.spec.model import load_job
+from launcher.spec.cluster import HostConfig
 from launcher.stage.plan import NodeTarget
 
 
 def node(name: str) -> NodeTarget:
+    """A host of a cluster file (reached over SSH)."""
     inv = discover(query=lambda: None, env={})
-    return NodeTarget(name=name, address=f"10.0.0.{name[-1]}", inventory=inv, python="/usr/bin/python3")
+    address = f"10.0.0.{name[-1]}"
+    return NodeTarget(name=name, address=address, inventory=inv, python="/usr/bin/python3", ssh=HostConfig(name=name, address=address))
 
 
 def job(tmp_path: Path, nodes: str, extra: str = ""):

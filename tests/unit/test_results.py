@@ -3,7 +3,7 @@ hooks run afterwards (results.hooks), and what they raise is noted, never lost."
 
 from __future__ import annotations
 
-from launcher.protocol import RankReport
+from launcher.protocol import RankReport, RankStatus
 from launcher.records import Failure, FailureReason, RootCause, RunStatus, StageOutcome
 from launcher.results.aggregate import aggregate, stage_phases
 from launcher.results.hooks import run_summarize, workload_module
@@ -106,3 +106,36 @@ def test_a_workload_whose_own_import_fails_raises_and_a_missing_one_is_none(tmp_
     with pytest.raises(ModuleNotFoundError, match="gl_no_such_dependency"):
         workload_module("gl_needs_dep:run")
     assert workload_module("gl_not_on_this_machine:run") is None
+
+
+def _stopped(rank: int, t0: float, stamps: tuple[str, ...], last_phase: str | None) -> RankReport:
+    """A rank stopped before it wrote its report (Ctrl-C): the phase stamps its beacons carried."""
+    full = _report(rank, 2, 1.0, t0).phases
+    return RankReport(rank=rank, local_rank=rank, node_rank=0, world_size=2, host="h", device="cpu", status=RankStatus.STOPPED,
+                      phases={k: full[k] for k in stamps}, last_phase=last_phase)  # fmt: skip
+
+
+def test_a_stage_stopped_while_its_ranks_ran_shows_every_phase_and_its_run_until_the_stop():
+    t0 = 1000.0
+    started = ("spawned", "started", "imported", "joined", "pg_ready", "first_step")
+    reports = [_stopped(0, t0, started, "running"), _stopped(1, t0, started, "running")]
+    stage = StageOutcome(2, RunStatus.INTERRUPTED, t0, t0 + 9.7, reports=reports,
+                         failure=Failure(FailureReason.INTERRUPTED, "interrupted (SIGINT)"))  # fmt: skip
+    phases = _aggregate([stage])["stages"][0]["phases"]
+    assert phases == {"spawn": 0.5, "import": 1.0, "rendezvous": 0.1, "pg_init": 0.1, "run": 8.0, "to_first_step": 1.8}
+    # stopped in the rendezvous: it lasted until the stop, and nothing after it happened
+    waiting = [_stopped(r, t0, ("spawned", "started", "imported"), "rendezvous") for r in (0, 1)]
+    assert stage_phases(t0, waiting, ended_at=t0 + 9.7) == {"spawn": 0.5, "import": 1.0, "rendezvous": 8.2, "pg_init": None,
+                                                           "run": None, "to_first_step": None}  # fmt: skip
+    # one rank still importing: the stage was in its import phase, whatever the other had done
+    importing = [_stopped(0, t0, ("spawned", "started"), "importing"), _stopped(1, t0, ("spawned", "started", "imported"), "rendezvous")]
+    assert stage_phases(t0, importing, ended_at=t0 + 9.7)["rendezvous"] is None
+    script = [_stopped(0, t0, ("spawned", "started", "imported", "first_step"), "running")]
+    assert stage_phases(t0, script, script=True, ended_at=t0 + 9.7)["run"] == 8.2
+
+
+def test_phases_no_beacon_dated_stay_unknown_rather_than_one_phase_taking_the_whole_stage():
+    t0 = 1000.0
+    undated = [_stopped(0, t0, (), "running"), _stopped(1, t0, (), None)]
+    assert set(stage_phases(t0, undated, ended_at=t0 + 9.7).values()) == {None}
+    assert set(stage_phases(t0, undated[:1], ended_at=t0 + 9.7).values()) == {None}

@@ -144,3 +144,102 @@ def test_the_real_matmul_result_shape(tmp_path: Path):
     rows = series_summary(result)
     assert [(r.series, r.rank, r.count) for r in rows] == [("checksum/256", 0, 1), ("checksum/256", 1, 1)]
     assert plot_series(result, tmp_path)[0].name == "series_world2.png"
+
+
+def _saved_figures(monkeypatch) -> list[Any]:  # noqa: ANN001
+    """Every figure saved from now on (its own object: its texts can be measured)."""
+    from matplotlib.figure import Figure
+
+    figures: list[Any] = []
+    original = Figure.savefig
+
+    def keep(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        figures.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return figures
+
+
+def _outside(fig: Any) -> list[str]:
+    """The titles and notes of ``fig`` that reach past its edges (as drawn, with its renderer)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()  # a closed pyplot figure has lost its own canvas
+    width, height = fig.bbox.width, fig.bbox.height
+    texts = [fig._suptitle, *fig.texts, *(ax.title for ax in fig.axes if ax.get_visible())]
+    out = []
+    for text in texts:
+        if text is None or not text.get_text():
+            continue
+        box = text.get_window_extent(renderer)
+        if box.x0 < 0 or box.y0 < 0 or box.x1 > width or box.y1 > height:
+            out.append(f"{text.get_text()!r}: {box} outside {width}x{height}")
+    return out
+
+
+def test_a_one_panel_plot_wraps_its_title_inside_the_figure(tmp_path, monkeypatch):
+    """One series: the figure is 506 px wide, narrower than the title with its step rate, which
+    was cut at both edges ("n: logged series, world size 2 (200 steps per rank, 446.8 ste")."""
+    figures = _saved_figures(monkeypatch)
+    ranks = [rank(r, 2, {"loss": [1.0 / (i + 1) for i in range(200)]}, steps=200, run_s=199 / 446.8) for r in (0, 1)]
+    (path,) = plot_series({"job": "sync_logging_user_run", "stages": [{"world_size": 2}], "ranks": ranks}, tmp_path)
+    (fig,) = figures
+    title = fig._suptitle.get_text()
+    assert "\n" in title and "446.8\u00a0steps/s per rank" in title  # wrapped, every word kept
+    assert title.replace("\n", " ").replace("\u00a0", " ") == (
+        "sync_logging_user_run: logged series, world size 2 (200 steps per rank, 446.8 steps/s per rank)"
+    )
+    assert _outside(fig) == []
+    assert path.read_bytes()[:8] == PNG
+
+
+def test_the_workloads_figures_keep_long_titles_and_notes_inside(tmp_path, monkeypatch):
+    """``save_figure`` (every workload's plot): a title naming eight GPUs, an axes title longer
+    than its axes and a long note all wrap inside the figure; the axes keep their height."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from launcher.workloads.plotting import save_figure
+
+    figures = _saved_figures(monkeypatch)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(6.4, 4.6))
+    devices = ", ".join(f"cuda:{i} (NVIDIA H100 80GB HBM3)" for i in range(8))
+    fig.suptitle(f"matmul_scaling on {devices}; torch threads per rank by world size: 1: 1, 2: 1, 4: 1, 8: 1")
+    left.set_title("two tasks of 2 matmuls, n=1024: 0.90x (range 0.56-1.84) of the sequential time")
+    right.set_title("ok")
+    left.plot([1, 2], [1, 2])
+    note = "not measured: " + "; ".join(f"cuda:{i}->cuda:{i + 1}, one process" for i in range(7))
+    path = save_figure(fig, tmp_path, "wide.png", [note])
+    (saved,) = figures
+    assert _outside(saved) == []
+    assert saved._suptitle.get_text().count("\n") >= 2 and "\n" in left.get_title()
+    assert saved._suptitle.get_text().replace("\n", " ").endswith("4: 1, 8: 1")
+    assert path.read_bytes()[:8] == PNG
+
+
+def test_timers_per_stage_are_a_median_and_a_count_over_every_rank():
+    result = user_job()
+    result["ranks"][1]["metrics"]["times_ms"] = {"fwd": [3.0, 5.0], "bwd": [float("nan")]}  # world 2, rank 1
+    result["ranks"][2]["metrics"]["times_ms"] = {"fwd": [1.0, 2.0, 4.0]}  # world 2, rank 0
+    result["ranks"][0]["metrics"]["times_ms"] = {"fwd": [10.0]}  # world 1
+    assert series.timer_summary(result) == [
+        series.TimerRow(world_size=1, timer="fwd", median_ms=10.0, count=1, ranks=1),
+        series.TimerRow(world_size=2, timer="bwd", median_ms=None, count=1, ranks=1),
+        series.TimerRow(world_size=2, timer="fwd", median_ms=3.0, count=5, ranks=2),
+    ]
+    assert series.timer_summary({"stages": [{"world_size": 1}], "ranks": [rank(0, 1, {}, steps=1)]}) == []
+
+
+def test_a_script_job_is_told_it_gets_no_table_and_no_plot():
+    from launcher.results.series import default_summary
+
+    script = {"job": "s", "spec": {"script": "train.py"}, "stages": [{"world_size": 2}],
+              "ranks": [rank(r, 2, {}, steps=0, run_s=None) for r in (0, 1)]}
+    (line,) = default_summary(script)["conclusions"]
+    assert "script: job has no ctx.metrics" in line and "no plot" in line and line.endswith("2/2 exited 0")
+    assert "rows" not in default_summary(script)
+    entry = {**script, "spec": {"entrypoint": "m:run"}}
+    assert default_summary(entry)["conclusions"] == []

@@ -1,5 +1,6 @@
-"""A run's directory sent back through a Ray job's log: the cluster side packs it as tagged,
-checksummed base64 lines at the end of the log; the submitting side unpacks it under ``--out``.
+"""A run's directory sent back over a Ray job's wire: the cluster side packs it as tagged,
+checksummed base64 lines at the end of the wire (its own file, ``wirefile``: never the job's log,
+which is for people); the submitting side unpacks it under ``--out``.
 
 The run's record always travels, whatever its size: ``result.json``, the spec, every rank's report,
 beacon and log, the plots. Only other large files (checkpoints, a job's own artifacts over
@@ -20,7 +21,7 @@ from typing import Any
 BUNDLE_TAG = "@gpulaunch-bundle "
 BUNDLE_END = "@gpulaunch-bundle-end "
 CHUNK = 16_000
-MAX_BUNDLED_FILE = 1024**2  # larger artifacts (checkpoints) stay on the cluster instead of flooding the job's log
+MAX_BUNDLED_FILE = 1024**2  # larger artifacts (checkpoints) stay on the cluster instead of flooding the wire
 LEFT_FILE = "left_on_cluster.json"
 _RECORD_SUFFIXES = (".json", ".yaml", ".log", ".png")  # the run's record: sent back whatever its size
 

@@ -7,16 +7,20 @@ Token auth (``RAY_AUTH_TOKEN`` / ``~/.ray/auth_token``) is honoured, never switc
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 POLL_S = 0.5
+RAY_LOGGER = "ray"
+RAY_LOG_FILE = "ray-submit.log"  # in the run directory: what Ray's client said while the run was submitted
 
 
 def honour_token_auth() -> None:
@@ -41,17 +45,48 @@ def client(address: str | None) -> Any:
     """A JobSubmissionClient, or a one-line error (exit 2) when the cluster cannot be reached."""
     address = check_address(address)
     honour_token_auth()
-    import logging
-
-    logging.getLogger("ray").setLevel(logging.ERROR)
     try:
         from ray.job_submission import JobSubmissionClient
     except ImportError:
         raise LauncherError("--address needs Ray: pip install 'gpulaunch[ray]'", exit_code=EXIT_BAD_INPUT) from None
+    # after the import: importing Ray configures its logger (INFO, to the console)
+    logging.getLogger(RAY_LOGGER).setLevel(logging.ERROR)
     try:
         return JobSubmissionClient(address)
     except Exception as exc:  # noqa: BLE001 - connection, auth and version errors all end here
         raise LauncherError(f"cannot use the Ray cluster at {address}: {one_line(exc)}", exit_code=EXIT_BAD_INPUT) from None
+
+
+class _FolderMadeFileHandler(logging.FileHandler):
+    """A log file made (with its folder) on the first record only."""
+
+    def _open(self) -> Any:
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+@contextlib.contextmanager
+def ray_logs_into(path: Path) -> Iterator[None]:
+    """Ray's own client-side lines (``Uploading package ...``, ``Creating a file package ...``)
+    into ``path`` instead of the console; on the console only its errors. As it was, after."""
+    logger = logging.getLogger(RAY_LOGGER)
+    saved_level, saved_propagate, saved = logger.level, logger.propagate, [(h, h.level) for h in logger.handlers]
+    handler = _FolderMadeFileHandler(path, delay=True, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for existing, level in saved:
+        existing.setLevel(max(level, logging.ERROR))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # nor through the root logger's handlers
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(saved_level)
+        logger.propagate = saved_propagate
+        for existing, level in saved:
+            existing.setLevel(level)
 
 
 def one_line(exc: BaseException) -> str:

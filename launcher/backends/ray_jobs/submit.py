@@ -1,14 +1,18 @@
 """The Ray Jobs submitter: ``launch JOB.yaml --backend ray --address http://HOST:8265``.
 
-The launcher submits itself as the Ray job: a copy of the job's directory (plus the effective
-spec, overrides applied) is the job's working dir, ``python -m launcher.control.submitted ray SPEC
-RUN_ID`` the entrypoint, and the Ray engine inside connects to that cluster instead of embedding
-one. The submission id is ``<job>-<run id>``, and the run directory, here and on the cluster, is
-``<job>/<run id>``: one id for the run everywhere. Inside, the launcher writes the run's events
-into the job's log (the remote-run wire, ``launcher.stage.wire``), which this side streams and
-follows with the wire's one follow loop: the console and ``/metrics`` here show every rank of the
-cluster live. At the end the launcher inside sends the run directory back as a bundle in the
-log's last lines (``bundle``), unpacked under the user's ``--out``.
+The launcher submits itself as the Ray job: the job's directory (``workdir``: its regular files,
+less what .gitignore and ``ray.excludes`` leave out, within ``ray.working_dir_max_mb``), plus the
+effective spec, overrides applied, is the job's working dir, ``python -m
+launcher.control.submitted ray SPEC RUN_ID`` the entrypoint, and the Ray engine inside connects to
+that cluster instead of embedding one. The submission id is ``<job>-<run id>``, and the run
+directory, here and on the cluster, is ``<job>/<run id>``: one id for the run everywhere
+(``launch status/logs/stop`` take the run id too). Inside, the launcher writes the run's events
+into a file of their own (the remote-run wire, ``launcher.stage.wire``, on its own channel:
+``wirefile``), which this side streams through the dashboard and follows with the wire's one
+follow loop: the console and ``/metrics`` here show every rank of the cluster live, while the
+job's log keeps to what people read. At the end the launcher inside sends the run directory back
+as a bundle at the end of that file (``bundle``), unpacked under the user's ``--out``. What Ray's
+client says while submitting goes to the run directory's ``ray-submit.log``, not the console.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from launcher.backends.ray_jobs.bundle import LEFT_FILE, BundleLines
-from launcher.backends.ray_jobs.client import TERMINAL, LogTail, check_address, client, one_line, status, stop_and_wait
+from launcher.backends.ray_jobs.client import (
+    RAY_LOG_FILE, TERMINAL, LogTail, check_address, client, one_line, ray_logs_into, status, stop_and_wait,
+)  # fmt: skip
+from launcher.backends.ray_jobs.wirefile import WireTail
+from launcher.backends.ray_jobs.workdir import Shipment, materialize, select
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, LauncherError, PlanError
 from launcher.procutil import handling_stop_signals
 from launcher.protocol import ENV_RAY_CONNECT
@@ -38,8 +46,6 @@ if TYPE_CHECKING:
 SPEC_FILE = "_gpulaunch_job.yaml"
 ENTRYPOINT_MODULE = "launcher.control.submitted"
 STOP_WAIT_S = 30.0  # how long an interrupted launch waits for its Ray job to stop
-MAX_WORKING_DIR = 50 * 1024**2
-_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".git", ".venv", "runs", "*.egg-info")
 _RESULT_KEYS = ("job", "status", "stages", "ranks")  # what a result.json that came back whole has
 
 
@@ -82,6 +88,10 @@ class RayJobsSubmitter(Submitter):
             requests[0] = LaunchRequest("ray", (submit, "inside the job:", *requests[0].commands), requests[0].notes)
         notes = [f"planned on the cluster's nodes as its dashboard lists them now ({len(submission.plans)} stage(s)); "
                  "inside the job the plan is made again on what the cluster has then"]  # fmt: skip
+        try:
+            notes.append(shipment(job, submission.out).describe())
+        except LauncherError as exc:
+            notes.append(f"would not be submitted: {exc}")
         return requests, notes
 
     def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
@@ -90,21 +100,28 @@ class RayJobsSubmitter(Submitter):
             raise LauncherError("--detach: only the slurm backend submits and returns; a Ray job is followed to its end", exit_code=EXIT_BAD_INPUT)
         job, address = submission.job, check_address(self.address)
         jobs = client(address)
-        job_id = f"{job.spec.name}-{submission.run_id}"
+        job_id = submission_id(job.spec.name, submission.run_id)
+        shipped = shipment(job, submission.out)  # an oversized working directory is refused here, before anything is submitted
         signals: list[str] = []
-        with handling_stop_signals(lambda signum, _frame: signals.append(signal.Signals(signum).name)):
-            job_id = _submit(jobs, job, job_id, submission.run_id, address)
-            events.message(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})")
-            run = RayJobRun(jobs, job_id)
-            reader = WireReader(events, "ray")
-            state = follow(run, reader, interrupted=lambda: bool(signals) or bool(stop))
-            reader.close()  # the live line goes before anything else is said (an interrupt)
-            if state is None:
-                state = _stop_after_interrupt(jobs, job_id, signals[0] if signals else "stop request", events, signals, run, reader)
-        return _result(jobs, job_id, state, run, Path(submission.out), address, events)
+        with ray_logs_into(Path(submission.out).resolve() / job.spec.name / submission.run_id / RAY_LOG_FILE):
+            with handling_stop_signals(lambda signum, _frame: signals.append(signal.Signals(signum).name)):
+                job_id = _submit(jobs, job, job_id, submission.run_id, address, shipped)
+                events.message(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})")
+                events.note(shipped.describe())
+                run = RayJobRun(jobs, job_id)
+                try:
+                    reader = WireReader(events, "ray")
+                    state = follow(run, reader, interrupted=lambda: bool(signals) or bool(stop))
+                    reader.close()  # the live line goes before anything else is said (an interrupt)
+                    if state is None:
+                        state = _stop_after_interrupt(jobs, job_id, signals[0] if signals else "stop request", events, signals, run, reader)
+                    return _result(jobs, job_id, state, run, Path(submission.out), address, events)
+                finally:
+                    run.close()
 
     def status(self, job_id: str) -> JobInfo:
         jobs = client(self.address)
+        job_id = _job_of(jobs, job_id)
         try:
             info = jobs.get_job_info(job_id)
         except Exception as exc:  # noqa: BLE001
@@ -113,30 +130,51 @@ class RayJobsSubmitter(Submitter):
         return JobInfo(job_id, state, state in TERMINAL, info.message or "", dict(info.metadata or {}), info.entrypoint)
 
     def logs(self, job_id: str, *, follow: bool, echo: Callable[[str, str], None]) -> None:
-        self.status(job_id)  # a clear error for an unknown job
+        """The job's log, which is for people (the wire has a file of its own)."""
+        job_id = self.status(job_id).job_id  # a clear error for an unknown job; a run id names its job
         jobs = client(self.address)
         if not follow:
             for line in str(jobs.get_job_logs(job_id)).splitlines():
                 _echo(line, echo)
             return
-        run = RayJobRun(jobs, job_id)
+        tail = LogTail(jobs, job_id)
         while True:
-            for line in run.new_lines():
+            for line in tail.lines():
                 _echo(line, echo)
             if status(jobs, job_id) in TERMINAL:
                 break
             time.sleep(0.5)
-        for line in run.new_lines(final=True):
+        for line in tail.lines(final=True):
             _echo(line, echo)
 
     def stop(self, job_id: str) -> JobInfo:
-        self.status(job_id)
+        job_id = self.status(job_id).job_id
         stop_and_wait(client(self.address), job_id)
         return self.status(job_id)
 
 
+def submission_id(job: str, run_id: str) -> str:
+    """The Ray job of a run: ``<job>-<run id>`` (the run directory is ``<job>/<run id>``)."""
+    return f"{job}-{run_id}"
+
+
+def _job_of(jobs: Any, given: str) -> str:
+    """The submission id ``given`` names: itself, or the job of the run whose id it is."""
+    try:
+        jobs.get_job_info(given)
+        return given
+    except Exception:  # noqa: BLE001 - not a submission id: perhaps a run id
+        pass
+    try:
+        found = {j.submission_id for j in jobs.list_jobs() if j.submission_id and (j.metadata or {}).get("run_id") == given}
+    except Exception:  # noqa: BLE001 - the caller says the job is unknown
+        return given
+    return found.pop() if len(found) == 1 else given
+
+
 def _echo(line: str, echo: Callable[[str, str], None]) -> None:
-    """A line of the job's log as ``launch logs`` shows it: the wire's and the bundle's lines left out."""
+    """A line of the job's log as ``launch logs`` shows it (a job whose wire went into its log,
+    having no file for it: the wire's and the bundle's lines left out)."""
     if BundleLines().take(line):
         return
     shown = readable(line)
@@ -165,17 +203,24 @@ def _dashboard_nodes(jobs: Any) -> list[dict[str, Any]]:
 
 
 class RayJobRun(RemoteRun):
-    """A submitted Ray job as the follow loop sees it: its log, streamed, and its status."""
+    """A submitted Ray job as the follow loop sees it: its wire file, streamed, and its status.
+    A job that wrote no wire file (its driver's output was not a Ray job log) wrote its wire into
+    its log: read whole once it has ended."""
 
     def __init__(self, jobs: Any, job_id: str) -> None:
         self.jobs, self.job_id = jobs, job_id
-        self.tail = LogTail(jobs, job_id)
+        self.wire = WireTail(jobs, job_id)
         self.bundle = BundleLines()
         self.said_error: str | None = None  # the launcher inside's last "error: ..." line
+        self._read_log = False
 
     def new_lines(self, final: bool = False) -> list[str]:
+        lines = self.wire.lines(final)
+        if final and not self.wire.found and not self._read_log:
+            self._read_log = True
+            lines += job_log_lines(self.jobs, self.job_id)
         out = []
-        for line in self.tail.lines(final):
+        for line in lines:
             if self.bundle.take(line):
                 continue
             if line.startswith("error: "):
@@ -187,41 +232,73 @@ class RayJobRun(RemoteRun):
         state = status(self.jobs, self.job_id)
         return state if state in TERMINAL else None
 
+    def close(self) -> None:
+        self.wire.close()
 
-def _effective_spec(job: LoadedJob) -> dict[str, Any]:
+
+def job_log_lines(jobs: Any, job_id: str) -> list[str]:
+    try:
+        return str(jobs.get_job_logs(job_id)).splitlines()
+    except Exception:  # noqa: BLE001 - the head is gone: nothing more to read
+        return []
+
+
+def _effective_spec(job: LoadedJob, script: str | None = None) -> dict[str, Any]:
     data = job.spec.model_dump(mode="json")
     data["backend"] = "ray"
     data["extends"] = None  # merged already
     data["cluster"] = None  # hosts come from the Ray cluster
     data["ray"]["address"] = None  # inside the job the engine connects; it must not submit again
+    if script is not None:
+        data["script"] = script  # where it is in the working dir the job runs in
     return data
 
 
-def _working_dir(job: LoadedJob) -> Path:
+def shipment(job: LoadedJob, out: Path | str | None) -> Shipment:
+    """What the Ray job's working directory will hold (``workdir``): refused (exit 2, one line)
+    when over ``ray.working_dir_max_mb``, or when it would not hold the spec's ``script``."""
+    settings = job.spec.ray
+    root = job.base_dir / settings.working_dir if settings.working_dir else job.base_dir
+    shipped = select(root, excludes=settings.excludes, out=Path(out) if out else None, cap_bytes=int(settings.working_dir_max_mb * 1024**2), label=str(job.path))
+    script = job.script_path()
+    if script is not None and not shipped.has(script):
+        raise LauncherError(
+            f"{job.path}: script: {job.spec.script} would not be in the Ray job's working directory {root} (outside it, or left out "
+            "by a .gitignore or ray.excludes); set ray.working_dir to a directory that holds it; nothing was submitted",
+            exit_code=EXIT_BAD_INPUT,
+        )
+    return shipped
+
+
+def _working_dir(job: LoadedJob, shipped: Shipment) -> Path:
+    """A temporary folder with the shipment's files and the effective spec: what Ray uploads."""
     import yaml
 
     root = Path(tempfile.mkdtemp(prefix="gpulaunch-submit-"))
     work = root / "job"
-    shutil.copytree(job.base_dir, work, ignore=_IGNORE, symlinks=False)
-    size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
-    if size > MAX_WORKING_DIR:
+    try:
+        work.mkdir()
+        materialize(shipped, work)
+        script = job.script_path()
+        relative = script.resolve().relative_to(shipped.root.resolve()).as_posix() if script is not None else None
+        (work / SPEC_FILE).write_text(yaml.safe_dump(_effective_spec(job, relative), sort_keys=False))
+    except BaseException:
         shutil.rmtree(root, ignore_errors=True)
-        raise LauncherError(f"{job.base_dir}: the job's directory is {size >> 20} MiB; keep it under {MAX_WORKING_DIR >> 20} MiB to submit it", exit_code=EXIT_BAD_INPUT)
-    (work / SPEC_FILE).write_text(yaml.safe_dump(_effective_spec(job), sort_keys=False))
+        raise
     return work
 
 
-def _submit(jobs: Any, job: LoadedJob, submission_id: str, run_id: str, address: str) -> str:
+def _submit(jobs: Any, job: LoadedJob, job_id: str, run_id: str, address: str, shipped: Shipment) -> str:
     import launcher
     from launcher.backends.ray import job_metadata
     from launcher.spec.model import JobSpec
 
     metadata = {**job_metadata(JobSpec.model_validate(_effective_spec(job))), "run_id": run_id}  # the spec run inside
-    work = _working_dir(job)
+    work = _working_dir(job, shipped)
     try:
         return jobs.submit_job(
             entrypoint=f"python -m {ENTRYPOINT_MODULE} ray {SPEC_FILE} {run_id}",
-            submission_id=submission_id,
+            submission_id=job_id,
             metadata=metadata,
             runtime_env={
                 "working_dir": str(work),
@@ -268,7 +345,8 @@ def _result(jobs: Any, job_id: str, state: str, run: RayJobRun, out: Path, addre
     run_dir = run.bundle.unpack(out)
     data = load_result(run_dir) if run_dir is not None else None
     if run_dir is None or not isinstance(data, dict) or any(k not in data for k in _RESULT_KEYS):
-        why = f": {run.said_error}" if run.said_error else ""
+        said = run.said_error or _said_error(job_log_lines(jobs, job_id))  # an error before the wire was open: in the job's log
+        why = f": {said}" if said else ""
         raise LauncherError(
             f"Ray job {job_id} ended {state} without sending its result back{why} (see: launch logs {job_id} --address {address})",
             exit_code=EXIT_INTERRUPTED if state == "STOPPED" else _exit_code(jobs, job_id),
@@ -279,6 +357,11 @@ def _result(jobs: Any, job_id: str, state: str, run: RayJobRun, out: Path, addre
     result = RunResult(data, run_dir, tuple(str(run_dir / p) for p in data.get("plots", [])))
     events.finished(result)
     return result
+
+
+def _said_error(lines: list[str]) -> str | None:
+    errors = [line[len("error: ") :] for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else None
 
 
 def _exit_code(jobs: Any, job_id: str) -> int:

@@ -163,10 +163,11 @@ def check_paths(*paths: Path) -> None:
 
 def sbatch_script(job: LoadedJob, alloc: Allocation, run_dir: Path, *, python: str, cwd: Path) -> str:
     """The batch script: the allocation as #SBATCH lines (the spec's extra options last), and a
-    body that runs the launcher again inside the job, into ``run_dir``."""
+    body that runs the launcher again inside the job, into ``run_dir``. The job's name carries the
+    run's id, as the run directory does (``<job>/<run id>``): ``<job>-<run id>`` in squeue and sacct."""
     s = job.spec.slurm
     options = [
-        f"--job-name={job.spec.name}",
+        f"--job-name={job_name(job.spec.name, run_dir)}",
         f"--nodes={alloc.nodes}",
         "--ntasks-per-node=1",  # one task per node: its torchrun agent starts the node's ranks
         f"--cpus-per-task={alloc.cpus_per_task}",
@@ -200,6 +201,11 @@ def sbatch_script(job: LoadedJob, alloc: Allocation, run_dir: Path, *, python: s
             "",
         ]
     )
+
+
+def job_name(job: str, run_dir: Path) -> str:
+    """The Slurm job's name: the job's and the run's id (the run directory's name)."""
+    return f"{job}-{run_dir.name}"
 
 
 def batch_body(argv: Sequence[str], warn_s: int) -> list[str]:
