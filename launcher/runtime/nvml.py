@@ -294,9 +294,12 @@ def _read_all(nvml: Any) -> NvmlInventory:
     )
 
 
+UNREADABLE = "?"  # the UUID of a GPU whose NVML handle could not be had
+
+
 def _unreadable_gpu(index: int) -> GpuReading:
     unknown: dict[str, Any] = {f.name: None for f in fields(GpuReading)}
-    unknown.update(index=index, name="?", uuid="?", pci_bus_id="?", compute_mode="?", throttle_reasons=(), nvlink_active=0)
+    unknown.update(index=index, name="?", uuid=UNREADABLE, pci_bus_id="?", compute_mode="?", throttle_reasons=(), nvlink_active=0)
     unknown.update(memory_total_mib=0, memory_used_mib=0, memory_free_mib=0)
     return GpuReading(**unknown)
 
@@ -365,7 +368,7 @@ def health_problems(gpu: GpuReading, *, min_free_mib: int = 0) -> list[str]:
     """What makes this GPU unfit for a job, each a short phrase naming what was found. Empty:
     healthy. sw_power_cap alone is not a problem (it is normal under load)."""
     problems: list[str] = []
-    if gpu.memory_total_mib == 0:
+    if gpu.uuid == UNREADABLE:  # its handle failed (a GPU fallen off the bus); unified memory reads 0 MiB and is fine
         problems.append("NVML cannot read this GPU (lost or unreachable)")
     if gpu.ecc_uncorrected_volatile:
         errors = gpu.ecc_uncorrected_volatile

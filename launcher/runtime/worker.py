@@ -161,6 +161,7 @@ class _Rank:
         self.dist: Any = None
         self.undo_ddp_timing: Callable[[], None] = lambda: None
         self.store_server: Any = None  # rank 0's own store, where no agent hosts one (serve_own_store)
+        self.set_agent_store = False  # this rank set TORCHELASTIC_USE_AGENT_STORE (serve_own_store)
 
     def prepare(self, step_hooks: Sequence[Callable[[int, float], None]]) -> tuple[Any, Any]:
         """Import torch and the job, pick the device, make the recorder: (entry function, device)."""
@@ -194,20 +195,21 @@ class _Rank:
         for its ranks), rank 0 serves it, as torch's env:// rendezvous would, but listening on the
         rendezvous address alone where it can (``serve_store``: torch binds every interface);
         then every rank, this one and a ``script:``'s own ``init_process_group`` included, joins
-        it as a client, as under torchrun (``TORCHELASTIC_USE_AGENT_STORE``)."""
-        if self.report.rank != 0 or os.environ.get(AGENT_STORE_ENV) == "True" or not os.environ.get("MASTER_ADDR"):
+        it as a client, as under torchrun (``TORCHELASTIC_USE_AGENT_STORE``). Every rank sets the
+        flag, whatever rank 0 could bind: a torch that prefixes the agent's store by attempt
+        (``TORCHELASTIC_RESTART_COUNT``) then prefixes it alike on every rank."""
+        if os.environ.get(AGENT_STORE_ENV) == "True" or not os.environ.get("MASTER_ADDR"):
             return
-        from datetime import timedelta
+        if self.report.rank == 0:
+            from datetime import timedelta
 
-        server = serve_store(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            timedelta(seconds=self.config.rendezvous_timeout_s),
-            use_libuv=os.environ.get("USE_LIBUV", "1") == "1",  # as torch's env:// reads it
-        )
-        if server is not None:
-            self.store_server = server
-            os.environ[AGENT_STORE_ENV] = "True"  # until finish(): a Ray actor may run another rank
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            timeout = timedelta(seconds=self.config.rendezvous_timeout_s)
+            use_libuv = os.environ.get("USE_LIBUV", "1") == "1"  # as torch's env:// reads it
+            self.store_server = serve_store(addr, port, timeout, use_libuv=use_libuv) or _torch_store(addr, port, timeout, use_libuv)
+        os.environ[AGENT_STORE_ENV] = "True"  # until finish(): a Ray actor may run another rank
+        os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
+        self.set_agent_store = True
 
     def join_group(self, device: Any) -> None:
         self.beacon.set_phase("rendezvous")
@@ -280,8 +282,8 @@ class _Rank:
         dist = self.dist
         if dist is not None and dist.is_available() and dist.is_initialized() and self.report.ok:
             dist.destroy_process_group()
-        if self.store_server is not None:  # the store stops listening with its last reference
-            self.store_server = None
+        self.store_server = None  # rank 0's store stops listening with its last reference
+        if self.set_agent_store:
             os.environ.pop(AGENT_STORE_ENV, None)
 
 
@@ -331,7 +333,10 @@ def run_rank(
         rank.report.error = _error(exc)
         if rank.report.world_size > 1 and is_peer_loss(rank.report.error):
             time.sleep(PEER_LOSS_GRACE_S)  # the usual end: stopped here, as collateral, in silence
-        traceback.print_exc()
+        if isinstance(exc, UnfitGpuError):
+            print(f"error: {exc}", file=sys.stderr, flush=True)  # a known cause: its line, not a traceback
+        else:
+            traceback.print_exc()
     finally:
         rank.finish()
     return rank.report
@@ -426,7 +431,19 @@ def serve_store(addr: str, port: int, timeout: Any, **options: Any) -> Any | Non
         return None
     world_size = options.pop("world_size", None)
     options.setdefault("wait_for_workers", world_size is not None)
-    return TCPStore(addr, port, world_size, True, timeout, master_listen_fd=fd, **options)
+    try:
+        return TCPStore(addr, port, world_size, True, timeout, master_listen_fd=fd, **options)
+    except BaseException:
+        os.close(fd)  # not the store's yet: a port left listening with nobody accepting would hang its clients
+        raise
+
+
+def _torch_store(addr: str, port: int, timeout: Any, use_libuv: bool) -> Any:
+    """Rank 0's store where the launcher cannot bind its socket (a name, an address of NAT):
+    torch's own server, listening as torch does (every interface), as env:// would make it."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(addr, port, None, True, timeout, multi_tenant=True, wait_for_workers=False, use_libuv=use_libuv)
 
 
 def _rendezvous(dist: Any, config: WorkerConfig) -> tuple[Any, int, int]:

@@ -139,8 +139,9 @@ class AllReduce:
 def allreduce_sweep(device: Any, sizes_mb: list[float], *, trials: int, group: Any = None, warmup: int = 3) -> list[AllReduce]:
     """float32 all-reduces (sum) of each size over ``group``: algbw = bytes / time, busbw = algbw
     x 2(n-1)/n, the figure comparable to a link's speed whatever the number of ranks. Every rank
-    of the group must call it with the same sizes; each trial starts behind a barrier-like
-    collective, so the ranks enter it together."""
+    of the group must call it with the same sizes. Trials follow each other with no barrier between
+    them (as ``all_reduce_perf`` runs them): each all-reduce waits for the slowest rank anyway, and
+    a small message's time includes the ranks' skew."""
     import torch
     import torch.distributed as dist
 

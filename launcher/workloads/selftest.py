@@ -57,7 +57,7 @@ class Level:
 
 
 LEVELS: dict[str, Level] = {
-    "quick": Level((4096,), 512, 5, 64, (64.0,), (4.0,), 50, 4.0),
+    "quick": Level((8192,), 512, 5, 64, (64.0,), (4.0,), 50, 4.0),
     "default": Level((8192,), 1024, 10, 256, (1.0, 16.0, 256.0), (1.0, 16.0), 200, 5.0),
     "full": Level((4096, 8192, 16384), 1024, 20, 1024, (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0), (1.0, 16.0, 64.0), 500, 6.0),
 }
@@ -214,10 +214,14 @@ def copy_figures(ctx: Any, level: Level, quiet: Any, not_run: list[NotRun]) -> l
     elif ctx.local_rank == 0 and torch.cuda.device_count() < 2:
         not_run.append(NotRun("GPU->GPU peer copy", ctx.host, "one GPU on the node"))
     elif ctx.local_rank == 0:
-        got = probes.peer_copy_gbs(torch.device("cuda:0"), torch.device("cuda:1"), mb=level.copy_mb, trials=level.trials)
-        access = torch.cuda.can_device_access_peer(0, 1)
-        figures.append(Figure("peer_copy", ctx.rank, ctx.host, "cuda:0->cuda:1", got.median, got.low, got.high, got.unit,
-                              f"{level.copy_mb} MiB, peer access {'on' if access else 'off (through the host)'}"))
+        try:
+            got = probes.peer_copy_gbs(torch.device("cuda:0"), torch.device("cuda:1"), mb=level.copy_mb, trials=level.trials)
+        except RuntimeError as exc:  # GPU 1 in exclusive-process mode belongs to rank 1's context
+            not_run.append(NotRun("GPU->GPU peer copy", ctx.host, str(exc).splitlines()[0]))
+        else:
+            access = torch.cuda.can_device_access_peer(0, 1)
+            figures.append(Figure("peer_copy", ctx.rank, ctx.host, "cuda:0->cuda:1", got.median, got.low, got.high, got.unit,
+                                  f"{level.copy_mb} MiB, peer access {'on' if access else 'off (through the host)'}"))
     dist.barrier(group=quiet)
     return figures
 

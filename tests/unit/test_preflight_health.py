@@ -158,3 +158,35 @@ def test_a_rank_checks_the_gpu_it_was_granted_before_it_starts():
 
 def H100_UUID(index: int) -> str:
     return discover(nvml=RecordedNvml(H100), env={}).gpus[index].uuid
+
+
+def test_a_gpu_whose_memory_nvml_cannot_report_is_not_lost():
+    from launcher.runtime.nvml import health_problems, read_inventory
+
+    rec = copy.deepcopy(json.loads((NVML_DATA / "h200_1gpu.json").read_text()))
+    rec["devices"][0]["nvmlDeviceGetMemoryInfo"] = {"nvml_error": pynvml.NVML_ERROR_NOT_SUPPORTED}  # unified memory (GB10)
+    inventory = read_inventory(RecordedNvml(rec))
+    assert inventory is not None and inventory.gpus[0].memory_total_mib == 0
+    assert health_problems(inventory.gpus[0]) == []
+
+
+def test_slow_links_no_blamed_host_explains_stop_the_start(monkeypatch):
+    from launcher.records import LinkMeasure, NetworkCheck
+
+    check = NetworkCheck(
+        links=(LinkMeasure("node-0", "node-1", 9.0, 0.01), LinkMeasure("node-2", "node-0", 0.1, 0.01)),
+        median_gbit_s=9.0, min_fraction=0.5,
+        slow=("slow link node-1 <-> node-2: 0.05 Gbit/s vs 9 median", "slow link node-2 <-> node-0: 0.1 Gbit/s vs 9 median"),
+        unreachable=(), bad_hosts=("node-1",), seconds=1.0,
+    )  # fmt: skip
+    import launcher.backends.ssh.netcheck as netcheck
+
+    monkeypatch.setattr(netcheck, "network_check", lambda hosts, links, budget_s, min_fraction: check)
+    monkeypatch.setattr(ssh_preflight, "preflight_reports", lambda c, job=None, timeout_s=0: reports_for(list(c.hosts), {}))
+    monkeypatch.setattr(ssh_preflight, "current_links", lambda: None)
+    job = load_job(REPO / "jobs/ddp_train.yaml", ["resources.nodes=2", "resources.gpus_per_node=8"])
+    with pytest.raises(PreflightError) as caught:
+        preflight_hosts(cluster(4), job)
+    said = str(caught.value)
+    assert "slow link node-2 <-> node-0" in said and "cannot tell which host is at fault" in said
+    assert caught.value.exit_code == 2

@@ -184,8 +184,9 @@ def _unfit_gpus(report: HostReport, job: Any) -> list[str]:
 
 
 def _check_network(usable: list[HostReport], job: Any, faults: dict[str, list[str]]) -> tuple[NetworkCheck | None, list[str]]:
-    """The links between the usable hosts; the hosts they blame get the lines as faults. Slow
-    links that blame no host (two hosts: either end) cannot be worked around: they come back."""
+    """The links between the usable hosts; the hosts they blame get the lines as faults. Slow or
+    missing links that name no blamed host (two hosts: either end) cannot be worked around: they
+    come back, and stop the start."""
     if job is None or not job.spec.preflight.network or len(usable) < 2:
         return None, []
     from launcher.backends.ssh.netcheck import network_check
@@ -194,10 +195,11 @@ def _check_network(usable: list[HostReport], job: Any, faults: dict[str, list[st
     check = network_check([r.host for r in usable], current_links(), budget_s=settings.network_budget_s, min_fraction=settings.min_link_fraction)
     for name in check.bad_hosts:
         faults[name].extend(f"{name}: {line}" for line in (*check.slow, *check.unreachable) if _names(line, name))
-    if check.ok or check.bad_hosts:
+    unexplained = [line for line in (*check.slow, *check.unreachable) if not any(_names(line, name) for name in check.bad_hosts)]
+    if not unexplained:
         return check, []
     hint = "set preflight.min_link_fraction lower (or preflight.network: false) to start anyway"
-    return check, [*check.slow, *check.unreachable, f"the network check cannot tell which host is at fault: {hint}"]
+    return check, [*unexplained, f"the network check cannot tell which host is at fault: {hint}"]
 
 
 def _names(line: str, host: str) -> bool:
