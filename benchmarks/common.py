@@ -200,6 +200,11 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def median_range(s: dict[str, Any] | None, digits: int = 2) -> str:
+    """A ``summary`` as one table cell: ``median [min..max]`` ("-" without a median)."""
+    return "-" if not s or s.get("median") is None else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}..{s['max']:.{digits}f}]"
+
+
 def proc_table() -> dict[int, tuple[int, int, str]]:
     """pid -> (parent pid, session id, command line) for every live, non-zombie process."""
     table = {}

@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, base_parser, fmt, machine_info, ratio, rotate, run_timed, summary, write_result  # noqa: E402
+from benchmarks.common import REPO, base_parser, fmt, machine_info, median_range, ratio, rotate, run_timed, summary, write_result  # noqa: E402
 
 JOB = REPO / "benchmarks" / "jobs" / "allreduce.yaml"
 TIMEOUT_S = 240
@@ -383,9 +383,9 @@ def render(data: dict[str, Any]) -> str:
         for name, row in t.items():
             logins = sorted({tuple(x) for x in row["logins_per_host"]})
             lines.append(
-                f"| {name} | {_ms(row['stage1_from_launch_s'])} | {_ms(row['paired_stage1_vs_one_host'], 2)} | "
-                f"{_ms(row['stage2_from_stage_start_s'])} | {_ms(row['paired_stage2_vs_one_host'], 2)} | "
-                f"{', '.join(str(list(x)) for x in logins) if name != 'one_host' else '-'} | {_ms(row['cpu_launcher_s'])} | {_ms(row['cpu_hosts_total_s'])} |"
+                f"| {name} | {median_range(row['stage1_from_launch_s'])} | {median_range(row['paired_stage1_vs_one_host'], 2)} | "
+                f"{median_range(row['stage2_from_stage_start_s'])} | {median_range(row['paired_stage2_vs_one_host'], 2)} | "
+                f"{', '.join(str(list(x)) for x in logins) if name != 'one_host' else '-'} | {median_range(row['cpu_launcher_s'])} | {median_range(row['cpu_hosts_total_s'])} |"
             )
     scale = data.get("scale")
     if scale:
@@ -399,9 +399,9 @@ def render(data: dict[str, Any]) -> str:
             for name, row in block["table"].items():
                 logins = sorted({x for r in row["logins_per_host"] for x in r})
                 lines.append(
-                    f"| {n} | {name} | {_ms(row['preflight_wall_s'])} | {_ms(row['preflight_slowest_host_s'])} | "
-                    f"{_ms(row['preflight_wall_over_slowest'], 2)} | {_ms(row['preflight_cpu_s'])} | {_ms(row['stage_first_step_from_launch_s'])} | "
-                    f"{_ms(row['stage_launcher_cpu_s'])} | {_ms(row['stage_launcher_cpu_per_host_s'])} | {_ms(row['stage_host_cpu_s'])} | {logins} |"
+                    f"| {n} | {name} | {median_range(row['preflight_wall_s'])} | {median_range(row['preflight_slowest_host_s'])} | "
+                    f"{median_range(row['preflight_wall_over_slowest'], 2)} | {median_range(row['preflight_cpu_s'])} | {median_range(row['stage_first_step_from_launch_s'])} | "
+                    f"{median_range(row['stage_launcher_cpu_s'])} | {median_range(row['stage_launcher_cpu_per_host_s'])} | {median_range(row['stage_host_cpu_s'])} | {logins} |"
                 )
     loss = data.get("loss")
     if loss:
@@ -413,9 +413,6 @@ def render(data: dict[str, Any]) -> str:
             )
     return "\n".join(lines)
 
-
-def _ms(s: dict[str, Any], digits: int = 2) -> str:
-    return "-" if not s or s.get("median") is None else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}..{s['max']:.{digits}f}]"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, base_parser, bench_env, fmt, machine_info, ratio, run_timed, summary, write_result  # noqa: E402
+from benchmarks.common import REPO, base_parser, bench_env, fmt, machine_info, median_range, ratio, run_timed, summary, write_result  # noqa: E402
 
 BUDGET_S = 3.0
 GLOO_BYTES = 64 << 20
@@ -220,8 +220,8 @@ def render(data: dict[str, Any]) -> str:
     for n, block in data.get("scale", {}).items():
         t = block["table"]
         lines.append(
-            f"| {n} | {_ms(t['preflight_s'])} | {_ms(t['check_s'])} | {_ms(t['both_s'])} | {_ms(t['check_again_s'])} | "
-            f"{_ms(t['median_gbit_s'])} | {_ms(t['slowest_over_median'])} |"
+            f"| {n} | {median_range(t['preflight_s'])} | {median_range(t['check_s'])} | {median_range(t['both_s'])} | {median_range(t['check_again_s'])} | "
+            f"{median_range(t['median_gbit_s'])} | {median_range(t['slowest_over_median'])} |"
         )
     bw = data.get("bandwidth")
     if bw:
@@ -229,15 +229,12 @@ def render(data: dict[str, Any]) -> str:
             "",
             "| h1 -> h2 | Gbit/s | / gloo |",
             "|---|---|---|",
-            f"| network check (ring, both ways at once) | {_ms(bw['check_gbit_s'])} | {fmt(bw['check_over_gloo'], 2)} |",
-            f"| one link alone (net-ring) | {_ms(bw['one_link_gbit_s'])} | {fmt(bw['one_link_over_gloo'], 2)} |",
-            f"| torch.distributed gloo send/recv, 64 MiB | {_ms(bw['gloo_gbit_s'])} | 1.00 |",
+            f"| network check (ring, both ways at once) | {median_range(bw['check_gbit_s'])} | {fmt(bw['check_over_gloo'], 2)} |",
+            f"| one link alone (net-ring) | {median_range(bw['one_link_gbit_s'])} | {fmt(bw['one_link_over_gloo'], 2)} |",
+            f"| torch.distributed gloo send/recv, 64 MiB | {median_range(bw['gloo_gbit_s'])} | 1.00 |",
         ]
     return "\n".join(lines)
 
-
-def _ms(s: dict[str, Any], digits: int = 2) -> str:
-    return "-" if not s or s.get("median") is None else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}..{s['max']:.{digits}f}]"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from launcher.hardware import gpu_peaks, nvlink_limit_gbs, pcie_limit_gbs
 from launcher.runtime.nvml import GpuReading, NvmlInventory, health_problems, visible_gpus
+from launcher.workloads.stats import num
 
 # The fraction of its limit a figure of a healthy node reaches (public measurements: 70-80% of the
 # dense bf16 peak for large square products on H100 SXM, 85-90% of PCIe for pinned copies, 70-80%
@@ -311,7 +312,7 @@ def _table_row(r: Row) -> dict[str, Any]:
         "device": r.device,
         "check": LABELS.get(r.check, r.check),
         "figure": _figure(r.value, r.unit),
-        "limit": "-" if r.limit is None else f"{_num(r.limit)} {r.limit_source}",
+        "limit": "-" if r.limit is None else f"{num(r.limit)} {r.limit_source}",
         "of_limit": "-" if r.fraction is None else f"{r.fraction:.0%}",
         "verdict": r.verdict,
     }
@@ -320,12 +321,9 @@ def _table_row(r: Row) -> dict[str, Any]:
 def _figure(value: float, unit: str) -> str:
     """A figure with its unit; a CPU's TFLOP/s in GFLOP/s, where it reads better."""
     if unit == "TFLOP/s" and value < 1:
-        return f"{_num(value * 1e3)} GFLOP/s"
-    return f"{_num(value)} {unit}"
+        return f"{num(value * 1e3)} GFLOP/s"
+    return f"{num(value)} {unit}"
 
-
-def _num(value: float) -> str:
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
 def _distinct(items: list[Mapping[str, Any]]) -> list[dict[str, Any]]:

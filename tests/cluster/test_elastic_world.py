@@ -6,13 +6,12 @@ which attempt ran at which size."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.conftest import NetnsCluster
-from tests.cluster.test_spare_host import _checkpoints_on, _result, _spec
+from tests.cluster.test_spare_host import _result, _spec, power_off_h1_once_h2_has_step_8
 from tests.jobs.conftest import TINY_TRAIN
 
 pytestmark = pytest.mark.slow
@@ -27,19 +26,7 @@ def test_a_lost_host_without_a_spare_leaves_the_survivor_at_half_the_world(netns
     sets = [a for s in (*SETS, f"params.marker={tmp_path / 'unused'}") for a in ("--set", s)]
     proc = netns_cluster.popen_launch(str(_spec(tmp_path)), "--cluster", str(cfg), "--out", str(out), "--no-metrics", *sets,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    h1 = netns_cluster.hosts[0]
-    try:
-        deadline = time.monotonic() + 120
-        while "step-000000008" not in _checkpoints_on(netns_cluster, 1, out):  # h2 holds its copy of step 8
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:] if proc.poll() is not None else "no checkpoint"
-            time.sleep(0.2)
-        netns_cluster.power_off(h1)  # rank 0's host and the rendezvous
-        output, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        netns_cluster.power_on(h1)
+    output = power_off_h1_once_h2_has_step_8(netns_cluster, proc, out)
     assert proc.returncode == 0, output[-4000:]
     assert "h1 lost and no spare host is left: the job goes on with 1 host(s) (elastic, at least 1)" in output
     result = _result(out)

@@ -43,6 +43,26 @@ def _checkpoints_on(cluster: NetnsCluster, host_index: int, out: Path) -> list[s
     return [Path(line).name for line in done.stdout.split()]
 
 
+def power_off_h1_once_h2_has_step_8(cluster: NetnsCluster, proc: subprocess.Popen, out: Path) -> str:
+    """Wait for h2's copy of the step-8 checkpoint, power h1 off (rank 0's host and the rendezvous:
+    every process and its run directory), and return the run's output once it ends; h1 is powered
+    on again and the launcher killed (by pid) whatever happens."""
+    h1 = cluster.hosts[0]
+    try:
+        deadline = time.monotonic() + 120
+        while "step-000000008" not in _checkpoints_on(cluster, 1, out):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:] if proc.poll() is not None else "no checkpoint"
+            time.sleep(0.2)
+        cluster.power_off(h1)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cluster.power_on(h1)
+    return output
+
+
 def test_a_lost_host_is_replaced_by_the_spare_and_the_run_resumes_from_the_copy_on_another_host(netns_cluster: NetnsCluster, tmp_path: Path, clean_after):
     cfg = netns_cluster.cluster_yaml(tmp_path / "cluster.yaml")  # h1 h2 h3; resources.nodes: 2 -> h3 is a spare
     spec = _spec(tmp_path)
@@ -54,19 +74,7 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_resumes_from_the_copy_
 
     out = netns_cluster.out_dir(tmp_path.name)
     proc = netns_cluster.popen_launch(*_args(spec, cfg, out, tmp_path / "unused", "params.step_sleep_s=0.25"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    h1 = netns_cluster.hosts[0]
-    try:
-        deadline = time.monotonic() + 120
-        while "step-000000008" not in _checkpoints_on(netns_cluster, 1, out):  # h2 holds its copy of step 8
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:] if proc.poll() is not None else "no checkpoint"
-            time.sleep(0.2)
-        netns_cluster.power_off(h1)  # rank 0's host, and the rendezvous: every process and its run directory
-        output, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        netns_cluster.power_on(h1)
+    output = power_off_h1_once_h2_has_step_8(netns_cluster, proc, out)
     assert proc.returncode == 0, output[-4000:]
     result = _result(out)
     first, second = result["stages"][0]["attempts"]
