@@ -266,3 +266,49 @@ def test_all_fine():
     assert check.ok and check.slow == () and check.unreachable == () and check.bad_hosts == ()
     assert check.median_gbit_s == pytest.approx(9.6) and len(check.links) == 6 and check.seconds == 1.2
     assert json.loads(json.dumps(check.to_dict()))["links"][0]["src"] == "h1"
+
+
+class _ScriptedLink:
+    """A host's helper answering the check's requests from a script: each link's figures, in the
+    order the link is measured (first look, second look)."""
+
+    def __init__(self, name: str, figures: dict[tuple[str, str], list[float]]) -> None:
+        self.name, self.figures = name, figures
+
+    def call(self, cmd: str, **args):  # noqa: ANN003, ANN201
+        if cmd == "net-listen":
+            return {"port": 4000}
+        (dst, _, _), = args["peers"]
+        gbit_s = self.figures[(self.name, dst)].pop(0)
+        return {"links": [{"dst": dst, "gbit_s": gbit_s, "latency_ms": 0.05, "error": None}]}
+
+
+class _ScriptedLinks:
+    def __init__(self, figures: dict[tuple[str, str], list[float]]) -> None:
+        self.figures = figures
+
+    def get(self, host):  # noqa: ANN001, ANN201
+        return _ScriptedLink(host.name, self.figures)
+
+
+def _scripted_check(slow_second_look: float) -> tuple:
+    from launcher.spec.cluster import HostConfig
+
+    hosts = [HostConfig(name=f"h{i}", address=f"10.0.0.{i}") for i in (1, 2, 3)]
+    fast = {(s, d): [9.0] for s in ("h1", "h2", "h3") for d in ("h1", "h2", "h3") if s != d}
+    figures = {**fast, ("h2", "h3"): [0.05, slow_second_look], ("h2", "h1"): [0.05, slow_second_look]}
+    check = network_check(hosts, links=_ScriptedLinks(figures), budget_s=1.0)  # type: ignore[arg-type]
+    return check, figures
+
+
+def test_a_dip_the_second_look_does_not_see_is_not_a_slow_link():
+    check, figures = _scripted_check(slow_second_look=8.5)  # h2 lost the CPU for its first send window
+    assert check.ok and check.bad_hosts == () and check.slow == ()
+    assert figures[("h2", "h3")] == [] and figures[("h2", "h1")] == []  # both suspects were looked at again
+    assert {(link.src, link.dst): link.gbit_s for link in check.links}[("h2", "h3")] == 8.5
+
+
+def test_a_link_slow_at_both_looks_is_slow_and_its_host_blamed():
+    check, figures = _scripted_check(slow_second_look=0.04)
+    assert check.bad_hosts == ("h2",) and len(check.slow) == 2
+    assert figures[("h1", "h2")] == []  # a link that looked fine was measured once
