@@ -25,6 +25,9 @@ ENV_PARENT_PID = "GPULAUNCH_PARENT_PID"  # the agent dies with this process (the
 ENV_AGENT_PID = "GPULAUNCH_AGENT_PID"  # the ranks die with their agent
 ENV_RAY_CONNECT = "GPULAUNCH_RAY_CONNECT"  # inside a Ray job: connect to the cluster, never embed one
 ENV_GRANTED_GPU = "GPULAUNCH_GRANTED_GPU"  # the GPU Ray granted this rank's actor
+# a rank's device where its scheduler chose it (Ray's fractional GPUs): it overrides the
+# local-rank rule (``rank_device``), which holds where the plan alone places ranks (torchrun)
+ENV_RANK_DEVICE = "GPULAUNCH_RANK_DEVICE"
 ENV_RANK_SERVER_PID = "GPULAUNCH_RANK_SERVER_PID"  # the forkserver that forked this rank
 ENV_SLURM_INSIDE = "GPULAUNCH_SLURM_INSIDE"  # set by the sbatch script: the launcher runs inside its Slurm job
 
@@ -49,10 +52,11 @@ LOG_PREFIX_SEPARATOR = "| "  # rank lines arrive as "host:rank| text"
 PORT_IN_USE_EXIT = 98
 
 
-def rank_device(device_type: str, local_rank: int) -> str:
-    """The device a rank computes on: ``cuda:<local_rank>`` (the node's GPU at its local rank's
-    index, of those the rank sees), or ``cpu``. The one rule: the plan names it, the rank takes it."""
-    return f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
+def rank_device(device_type: str, local_rank: int, ranks_per_gpu: int = 1) -> str:
+    """The device a rank computes on: ``cuda:<local_rank // ranks_per_gpu>`` (the node's GPU at
+    that index, of those the rank sees: ranks that share a GPU are neighbours), or ``cpu``. The
+    one rule: the plan names it, the rank takes it."""
+    return f"cuda:{local_rank // ranks_per_gpu}" if device_type == "cuda" else "cpu"
 
 
 class RankStatus(str, enum.Enum):
@@ -163,6 +167,8 @@ class WorkerConfig:
     # each GPU rank checks its own GPU's health through NVML before it joins the group (spec:
     # preflight.gpu_health): the check reaches the hosts no preflight logs in to (Ray, Slurm nodes)
     gpu_health: bool = False
+    # ranks that share each GPU (spec: resources.ranks_per_gpu); above 1 the group runs on gloo
+    ranks_per_gpu: int = 1
 
     @property
     def paths(self) -> StagePaths:

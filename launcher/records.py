@@ -354,6 +354,21 @@ class StageOutcome:
 
 
 @dataclass(frozen=True)
+class SkippedWorld:
+    """A world size ``scaling.workers`` lists that these nodes cannot run: why, and what would."""
+
+    world_size: int
+    reason: str  # e.g. "needs 2 worker slot(s) per node but 1 GPU(s) give 1"
+    remedy: str  # e.g. "it runs where this node has 2 GPUs, or here with resources.ranks_per_gpu: 2"
+
+    def describe(self) -> str:
+        return f"world size {self.world_size} skipped: it {self.reason}; {self.remedy}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "reason": self.reason, "remedy": self.remedy}
+
+
+@dataclass(frozen=True)
 class LinkMeasure:
     """One directed link between two hosts, as the preflight's network check measured it."""
 

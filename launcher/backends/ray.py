@@ -285,7 +285,7 @@ class RayStage(StageHandle):
         if not ray.is_initialized():
             raise BackendError("the Ray engine runs inside its session (use launcher.run_job)")
         self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
-        bundle = _bundle(self.plan.device_type)
+        bundle = _bundle(self.plan.device_type, self.plan.worker.ranks_per_gpu)
         strategy = self.plan.placement.upper()
         self._pg = placement_group([dict(bundle) for _ in self.plan.ranks], strategy=strategy, name=f"{self.plan.job}-world{self.plan.world_size}")
         self._deadline = time.monotonic() + self.plan.worker.rendezvous_timeout_s
@@ -555,9 +555,10 @@ def _first_line(exc: Any) -> str:
     return type(exc).__name__
 
 
-def _bundle(device_type: str) -> dict[str, float]:
-    """One rank's reservation: a CPU, and its GPU when the job runs on GPUs."""
-    return {"CPU": 1.0, "GPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
+def _bundle(device_type: str, ranks_per_gpu: int = 1) -> dict[str, float]:
+    """One rank's reservation: a CPU, and its GPU when the job runs on GPUs (a fraction of one,
+    1/ranks_per_gpu, where ranks share them: Ray's fractional GPUs)."""
+    return {"CPU": 1.0, "GPU": 1.0 / ranks_per_gpu} if device_type == "cuda" else {"CPU": 1.0}
 
 
 __all__ = ["RayEngine", "ray_session", "check_dashboard_exposure"]

@@ -28,7 +28,7 @@ from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import EXIT_BAD_INPUT, LauncherError, PlanError
 from launcher.masking import mask_env
 from launcher.procutil import free_port, handling_stop_signals
-from launcher.records import BackendName, Failure, FailureReason, PreflightRecord, StageOutcome, new_run_id
+from launcher.records import BackendName, Failure, FailureReason, PreflightRecord, SkippedWorld, StageOutcome, new_run_id
 from launcher.results.aggregate import aggregate
 from launcher.results.hooks import make_plots, run_summarize, workload_module
 from launcher.results.series import default_summary
@@ -197,8 +197,14 @@ def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None
         check_node_split(job)
         return f"{runner.name}: {len(config.hosts)} host(s) in {cluster or job.spec.cluster}, checked over SSH when it runs"
     sizing = size_run(job, resolve_nodes(job, None))
-    notes = "".join(f"; note: {n}" for n in sizing.notes)
+    notes = "".join(f"; note: {n}" for n in sizing_lines(sizing))
     return f"{runner.name}: world sizes {list(sizing.world_sizes)} on {sizing.device_type} here{notes}"
+
+
+def sizing_lines(sizing: RunSizing) -> list[str]:
+    """What the console, the dry run and ``validate`` say of the sizing: the world sizes skipped
+    (why, and what would run them), then what the plan decided that the spec did not say."""
+    return [*(s.describe() for s in sizing.skipped), *sizing.notes]
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
@@ -220,23 +226,74 @@ def _one_connection_per_host(fn: _Fn) -> _Fn:
 
 @_one_connection_per_host
 def dry_run(
-    job: LoadedJob, *, backend: str | None = None, out: str | Path = "runs", cluster: str | None = None, address: str | None = None
+    job: LoadedJob,
+    *,
+    backend: str | None = None,
+    out: str | Path = "runs",
+    cluster: str | None = None,
+    address: str | None = None,
+    inventory: str | Path | None = None,
 ) -> DryRun:
     """The plans and what would be started for each (a scheduler's: what would be submitted,
-    planned on the nodes it would grant, or on placeholders it says it could not check)."""
+    planned on the nodes it would grant, or on placeholders it says it could not check).
+    ``inventory``: a recorded node (``launch devices --json``, an NVML recording) to plan on
+    instead of this machine, or of every host of the cluster file (no host is logged in to)."""
     runner = resolve(job, backend, cluster, address)
     run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
+    if inventory is not None:
+        if isinstance(runner, Submitter):
+            raise LauncherError(
+                f"--inventory: the {runner.name} backend plans on the nodes its scheduler grants; "
+                f"--inventory plans a run of this machine or of a cluster file's hosts",
+                exit_code=EXIT_BAD_INPUT,
+            )
+        return _dry_run_on(job, runner, recorded_nodes(job, cluster, inventory), run_dir)
     if isinstance(runner, Submitter):
         nodes = runner.target_nodes(job, dry_run=True)
         sizing = size_run(job, nodes) if nodes else None
         plans = make_plans(job, nodes, sizing, run_dir=run_dir, master_port=0, backend=runner.name) if nodes and sizing else []
         requests, notes = runner.dry_run(Submission(job, tuple(plans), Path(out), "<run-id>"))
-        return DryRun(job, tuple(plans), tuple(requests), (*(sizing.notes if sizing else ()), *notes))
+        return DryRun(job, tuple(plans), tuple(requests), (*(sizing_lines(sizing) if sizing else ()), *notes))
     pool = HostPool.of(job, resolve_nodes(job, cluster))
     sizing = size_run(job, pool.active)
     plans = make_plans(job, pool.active, sizing, run_dir=run_dir, master_port=rendezvous_port(pool.active), backend=runner.name)
     spares = (f"spare host(s) {', '.join(n.name for n in pool.spares)}: used when a host is lost",) if pool.spares else ()
-    return DryRun(job, tuple(plans), tuple(runner.launch_request(plan) for plan in plans), (*sizing.notes, *spares))
+    return DryRun(job, tuple(plans), tuple(runner.launch_request(plan) for plan in plans), (*sizing_lines(sizing), *spares))
+
+
+def recorded_nodes(job: LoadedJob, cluster: str | None, inventory: str | Path) -> list[NodeTarget]:
+    """The nodes a dry run plans on from a recorded inventory: this machine's place taken by the
+    recorded node, or every host of the cluster file given the recorded node's GPUs and CPUs."""
+    from launcher.runtime.devices import InventoryFileError, load_inventory
+
+    try:
+        recorded = load_inventory(inventory, visible_override=job.spec.env.get("CUDA_VISIBLE_DEVICES"))
+    except InventoryFileError as exc:
+        raise LauncherError(str(exc), exit_code=EXIT_BAD_INPUT) from None
+    path = cluster_path(job, cluster)
+    if path is None:
+        return [NodeTarget(name=recorded.hostname, address="127.0.0.1", inventory=recorded, python=sys.executable)]
+    from launcher.spec.cluster import load_cluster
+
+    check_node_split(job)
+    hosts = load_cluster(path).hosts
+    check_cluster_size(job, len(hosts), path)
+    return [
+        NodeTarget(name=h.name, address=h.address, inventory=replace(recorded, hostname=h.name), python=h.python, ifname=h.ifname, ssh=h)
+        for h in hosts
+    ]
+
+
+def _dry_run_on(job: LoadedJob, runner: Runner, nodes: list[NodeTarget], run_dir: Path) -> DryRun:
+    """A dry run on nodes given (recorded), not discovered: the same plans and commands; a port
+    stands in for the rendezvous port a run would pick."""
+    assert isinstance(runner, StageEngine)
+    pool = HostPool.of(job, nodes)
+    sizing = size_run(job, pool.active)
+    plans = make_plans(job, pool.active, sizing, run_dir=run_dir, master_port=29500, backend=runner.name)
+    recorded = dict.fromkeys(note for n in pool.active for note in n.inventory.notes)
+    spares = (f"spare host(s) {', '.join(n.name for n in pool.spares)}: used when a host is lost",) if pool.spares else ()
+    return DryRun(job, tuple(plans), tuple(runner.launch_request(plan) for plan in plans), (*sizing_lines(sizing), *spares, *recorded))
 
 
 def _stop_on_signals(stop: StopRequest) -> contextlib.AbstractContextManager[None]:
@@ -320,7 +377,9 @@ def run_job(
             if pool.spares:
                 watched.message(f"spare host(s) {', '.join(n.name for n in pool.spares)}: used when a host is lost")
             outcomes, cut_short = _run_stages(loaded, runner, pool, sizing, run_dir, stop, watched, kept=kept if resume else None)
-        return finish_run(loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short, preflight=preflight)
+        return finish_run(
+            loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short, preflight=preflight, skipped=sizing.skipped
+        )
 
 
 def preflight_lines(record: PreflightRecord | None) -> list[str]:
@@ -422,7 +481,7 @@ def _run_stages(
     or a stop came between stages (the stages before it are kept). ``kept``: resuming, the
     stages that had succeeded (not run again); every other stage's old files are set aside."""
     device_type = sizing.device_type
-    for note in sizing.notes:
+    for note in sizing_lines(sizing):
         events.note(note)
     outcomes: list[StageOutcome] = []
     for size in sizing.world_sizes:
@@ -475,6 +534,7 @@ def finish_run(
     *,
     cut_short: Failure | None = None,
     preflight: PreflightRecord | None = None,
+    skipped: Sequence[SkippedWorld] = (),
 ) -> RunResult:
     """Aggregate, summarise, plot, write result.json and tell the watcher. ``cut_short``: the
     failure when a stage could not start, or a stop came between stages. The record is built
@@ -485,7 +545,7 @@ def finish_run(
         spec_hash=loaded.spec.fingerprint(), params=loaded.params, started_at=started, cut_short=cut_short,
     )  # fmt: skip
     module, summary = _summary(loaded, record)
-    record = replace(record, run_dir=str(run_dir), summary=summary, preflight=preflight)
+    record = replace(record, run_dir=str(run_dir), summary=summary, preflight=preflight, skipped_worlds=tuple(skipped))
     document = record.to_dict()  # what the job's plot hook and TensorBoard read, as they always have
     plots, plot_error = make_plots(document, run_dir, module)
     tensorboard, tensorboard_error = _write_tensorboard(document, run_dir)

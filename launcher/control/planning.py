@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 from launcher.checkpoints import job_identity
 from launcher.errors import PlanError
 from launcher.protocol import StagePaths, WorkerConfig, rank_device
-from launcher.records import HangPolicy, RestartPolicy, StragglerPolicy
+from launcher.records import HangPolicy, RestartPolicy, SkippedWorld, StragglerPolicy
 from launcher.stage.plan import LOOPBACK_ADDR, NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
 
 if TYPE_CHECKING:  # pydantic and yaml: the planner itself needs neither
@@ -45,6 +45,11 @@ def device_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str, 
     (``gpus_per_node: 8``) still runs on a laptop's CPU under ``device: auto``, but says so."""
     res = job.spec.resources
     notes = slot_notes(job, per_node * len(nodes), device_type)
+    if device_type == "cuda" and res.ranks_per_gpu > 1:
+        notes.append(
+            f"resources.ranks_per_gpu: {res.ranks_per_gpu} ranks share each GPU (rank k on cuda:<local_rank // "
+            f"{res.ranks_per_gpu}>); the process group is gloo over CUDA tensors, as NCCL refuses two ranks on one GPU"
+        )
     if device_type != "cpu" or res.device != "auto" or res.gpus_per_node in ("auto", 0):
         return notes
     bare = next(n.name for n in nodes if n.inventory.gpu_count == 0)
@@ -64,57 +69,106 @@ def slot_notes(job: LoadedJob, capacity: int, device_type: str) -> list[str]:
     if max(sizes) >= capacity:
         return []
     what = "resources.cpu_workers" if device_type == "cpu" else "the GPUs"
-    more = sorted({*sizes, capacity})
     return [
         f"{what} give {capacity} worker slot(s), but scaling.workers {list(sizes)} decides the world sizes: "
-        f"at most {max(sizes)} are used (--set scaling.workers=[{','.join(map(str, more))}] to use them all)"
+        f"at most {max(sizes)} are used (--set scaling.workers=auto to use them all)"
     ]
 
 
 def procs_per_node(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str) -> int:
+    """The ranks a node runs at most: its GPUs (times ``ranks_per_gpu``), or its CPU workers."""
     res = job.spec.resources
     if device_type == "cuda":
-        fewest = min(n.inventory.gpu_count for n in nodes)
-        if res.gpus_per_node == "auto":
-            return fewest
-        if res.gpus_per_node > fewest:
-            node = next(n for n in nodes if n.inventory.gpu_count == fewest)
-            raise PlanError(
-                f"{job.path}: resources.gpus_per_node: {res.gpus_per_node} GPUs requested per node, "
-                f"but {node.name} has {fewest} visible"
-            )
-        if res.gpus_per_node == 0:
-            raise PlanError(f"{job.path}: resources.gpus_per_node: 0 GPUs requested; use resources.device: cpu")
-        return res.gpus_per_node
+        return gpus_per_node(job, nodes) * res.ranks_per_gpu
     if res.cpu_workers == "auto":
         return max(1, min(n.inventory.cpu_count for n in nodes))
     return res.cpu_workers
 
 
-def check_node_split(job: LoadedJob) -> None:
-    """World sizes that cannot be split evenly over ``resources.nodes`` are refused from the spec
-    alone, before any host is contacted."""
-    nodes = job.spec.resources.nodes
-    uneven = [size for size in job.spec.world_sizes or () if size % nodes]
-    if nodes > 1 and uneven:
-        fitting = [nodes * k for k in range(1, 3)]
+def gpus_per_node(job: LoadedJob, nodes: Sequence[NodeTarget]) -> int:
+    """The GPUs each node's ranks use: every visible one (``auto``, the fewest any node has), or the spec's count."""
+    res = job.spec.resources
+    fewest = min(n.inventory.gpu_count for n in nodes)
+    if res.gpus_per_node == "auto":
+        return fewest
+    if res.gpus_per_node > fewest:
+        node = next(n for n in nodes if n.inventory.gpu_count == fewest)
         raise PlanError(
-            f"{job.path}: scaling.workers: world size {uneven[0]} does not divide over {nodes} nodes "
-            f"(resources.nodes); use multiples of {nodes}, e.g. --set scaling.workers=[{','.join(map(str, fitting))}]"
+            f"{job.path}: resources.gpus_per_node: {res.gpus_per_node} GPUs requested per node, "
+            f"but {node.name} has {fewest} visible"
+        )
+    if res.gpus_per_node == 0:
+        raise PlanError(f"{job.path}: resources.gpus_per_node: 0 GPUs requested; use resources.device: cpu")
+    return res.gpus_per_node
+
+
+def check_node_split(job: LoadedJob) -> None:
+    """Listed world sizes none of which splits evenly over ``resources.nodes`` are refused from
+    the spec alone, before any host is contacted (some fitting: the others are skipped, said)."""
+    nodes = job.spec.resources.nodes
+    sizes = job.spec.world_sizes or ()
+    if nodes > 1 and sizes and all(size % nodes for size in sizes):
+        raise PlanError(
+            f"{job.path}: scaling.workers: no world size of {list(sizes)} divides over {nodes} nodes "
+            f"(resources.nodes); use multiples of {nodes}, or --set scaling.workers=auto"
         )
 
 
-def world_sizes(job: LoadedJob, capacity: int, node_count: int) -> list[int]:
-    sizes = list(job.spec.world_sizes or [capacity])
-    for size in sizes:
-        if size > capacity:
-            raise PlanError(
-                f"{job.path}: scaling.workers: world size {size} requested, but only {capacity} "
-                f"worker slots exist ({node_count} node(s))"
-            )
-        if size % node_count:
-            raise PlanError(f"{job.path}: scaling.workers: world size {size} does not divide over {node_count} nodes")
-    return sizes
+def auto_world_sizes(capacity: int, node_count: int) -> list[int]:
+    """``scaling.workers: auto``: every node with 1, 2, 4, ... ranks up to the ranks a node runs,
+    and all of them where that is not a power of two (one node of 6 GPUs: 1, 2, 4, 6)."""
+    per_node = capacity // node_count
+    ladder, k = [], 1
+    while k < per_node:
+        ladder.append(k * node_count)
+        k *= 2
+    return [*ladder, capacity]
+
+
+def world_sizes(job: LoadedJob, capacity: int, node_count: int, device_type: str = "cpu") -> tuple[list[int], list[SkippedWorld]]:
+    """The stages' world sizes, and the listed ones that do not fit these nodes (skipped: why, and
+    what would run them). A PlanError when none fits."""
+    spec = job.spec
+    if spec.world_sizes is None:
+        every_slot = spec.scaling is None or spec.resources.elastic  # an elastic world: one stage, its hosts' size
+        return ([capacity] if every_slot else auto_world_sizes(capacity, node_count)), []
+    fits, skipped = [], []
+    for size in spec.world_sizes:
+        why = _misfit(job, size, capacity, node_count, device_type)
+        if why is None:
+            fits.append(size)
+        else:
+            skipped.append(SkippedWorld(size, *why))
+    if not fits:
+        first = skipped[0]
+        raise PlanError(
+            f"{job.path}: scaling.workers: no world size of {list(spec.world_sizes)} fits: "
+            f"world size {first.world_size} {first.reason}; {first.remedy}"
+        )
+    return fits, skipped
+
+
+def _misfit(job: LoadedJob, size: int, capacity: int, node_count: int, device_type: str) -> tuple[str, str] | None:
+    """Why a world size cannot run on these nodes, and what would run it; None when it fits."""
+    if size % node_count:
+        return f"does not divide over {node_count} nodes", f"a multiple of {node_count} would"
+    if size <= capacity:
+        return None
+    per_node = size // node_count
+    where = "this node has" if node_count == 1 else f"each of {node_count} nodes has"
+    if device_type == "cuda":
+        k = job.spec.resources.ranks_per_gpu
+        gpus = capacity // node_count // k
+        slots = f"{gpus} GPU(s)" + (f" x {k} ranks each" if k > 1 else "")
+        return (
+            f"needs {per_node} worker slot(s) per node but {slots} give {capacity // node_count}",
+            f"it runs where {where} {-(-per_node // k)} GPUs, or here with resources.ranks_per_gpu: "
+            f"{-(-per_node // gpus)} (ranks sharing a GPU, over gloo)",
+        )
+    return (
+        f"needs {per_node} worker slot(s) per node but resources.cpu_workers gives {capacity // node_count}",
+        f"--set resources.cpu_workers={per_node} runs it on the CPU",
+    )
 
 
 @dataclass(frozen=True)
@@ -123,9 +177,10 @@ class RunSizing:
     ranks a node runs at most, every stage's world size, and what the spec did not say outright."""
 
     device_type: str  # "cuda" | "cpu"
-    per_node: int  # GPUs (or CPU workers) per node
+    per_node: int  # ranks per node at most: GPUs x ranks_per_gpu (or CPU workers)
     world_sizes: tuple[int, ...]
     notes: tuple[str, ...] = ()
+    skipped: tuple[SkippedWorld, ...] = ()  # listed world sizes these nodes cannot run
 
 
 def size_run(job: LoadedJob, nodes: Sequence[NodeTarget]) -> RunSizing:
@@ -140,8 +195,8 @@ def size_run(job: LoadedJob, nodes: Sequence[NodeTarget]) -> RunSizing:
         )
     device_type = choose_device(job, nodes)
     per_node = procs_per_node(job, nodes, device_type)
-    sizes = world_sizes(job, per_node * len(nodes), len(nodes))
-    return RunSizing(device_type, per_node, tuple(sizes), tuple(device_notes(job, nodes, device_type, per_node)))
+    sizes, skipped = world_sizes(job, per_node * len(nodes), len(nodes), device_type)
+    return RunSizing(device_type, per_node, tuple(sizes), tuple(device_notes(job, nodes, device_type, per_node)), tuple(skipped))
 
 
 # --- one stage -------------------------------------------------------------------------------------
@@ -192,7 +247,7 @@ def plan_stage(
         # one node on this machine (a local run, a one-node Slurm stage): the group meets on loopback
         rendezvous=Rendezvous(LOOPBACK_ADDR if len(nodes) == 1 and nodes[0].ssh is None else nodes[0].address, master_port),
         nodes=slots,
-        ranks=_rank_slots(slots, device_type),
+        ranks=_rank_slots(slots, device_type, shared_gpu_ranks(job, device_type)),
         worker=_worker_config(job, paths, device_type, threads, attempt),
         run_timeout_s=spec.timeouts.run_s,
         restart=RestartPolicy.of(spec.max_restarts, spec.restart_on, spec.timeouts.on_hang, spec.preemption.grace_s),
@@ -203,12 +258,13 @@ def plan_stage(
     )
 
 
-def _rank_slots(nodes: Sequence[NodeSlot], device_type: str) -> tuple[RankSlot, ...]:
-    """Ranks numbered node by node; each on ``cuda:<local_rank>`` of its node, or the CPU."""
+def _rank_slots(nodes: Sequence[NodeSlot], device_type: str, ranks_per_gpu: int) -> tuple[RankSlot, ...]:
+    """Ranks numbered node by node; each on ``cuda:<local_rank // ranks_per_gpu>`` of its node, or the CPU."""
     slots, rank = [], 0
     for node in nodes:
         for local_rank in range(node.nproc):
-            slots.append(RankSlot(rank, local_rank, node.node_rank, node.host, rank_device(device_type, local_rank)))
+            device = rank_device(device_type, local_rank, ranks_per_gpu)
+            slots.append(RankSlot(rank, local_rank, node.node_rank, node.host, device))
             rank += 1
     return tuple(slots)
 
@@ -224,7 +280,7 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         job=spec.name,
         stage_dir=str(paths.root),
         device_type=device_type,
-        pg_backend="nccl" if device_type == "cuda" else "gloo",
+        pg_backend=pg_backend(job, device_type),
         threads_per_worker=threads,
         entrypoint=spec.entrypoint,
         script=str(job.script_path()) if spec.script else None,
@@ -240,7 +296,19 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         attempt=attempt,
         stop_grace_s=float(spec.preemption.grace_s),
         gpu_health=spec.preflight.gpu_health,
+        ranks_per_gpu=shared_gpu_ranks(job, device_type),
     )
+
+
+def shared_gpu_ranks(job: LoadedJob, device_type: str) -> int:
+    """Ranks per GPU: the spec's ``ranks_per_gpu`` on GPUs; 1 on the CPU, where it means nothing."""
+    return job.spec.resources.ranks_per_gpu if device_type == "cuda" else 1
+
+
+def pg_backend(job: LoadedJob, device_type: str) -> str:
+    """NCCL on GPUs; gloo on the CPU, and on GPUs that ranks share (NCCL refuses two ranks on one
+    device: "Duplicate GPU detected"), where gloo runs the collectives on the CUDA tensors."""
+    return "nccl" if device_type == "cuda" and shared_gpu_ranks(job, device_type) == 1 else "gloo"
 
 
 def checkpoint_root(job: LoadedJob, paths: StagePaths) -> Path:

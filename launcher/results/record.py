@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from launcher.records import AttemptRecord, Failure, PreflightRecord, RunStatus, Straggler
+from launcher.records import AttemptRecord, Failure, PreflightRecord, RunStatus, SkippedWorld, Straggler
 
 SCHEMA_VERSION = 1
 
@@ -71,6 +71,7 @@ class RunRecord:
     tensorboard: str | None = None  # the events' directory, relative to the run directory
     tensorboard_error: str | None = None
     preflight: PreflightRecord | None = None  # the hosts checked before the start: left out, spares, links
+    skipped_worlds: tuple[SkippedWorld, ...] = ()  # listed world sizes the nodes could not run: why, what would
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -118,6 +119,8 @@ class RunRecord:
             doc["run_dir"] = self.run_dir
         if self.preflight is not None:
             doc["preflight"] = self.preflight.to_dict()
+        if self.skipped_worlds:
+            doc["skipped_worlds"] = [s.to_dict() for s in self.skipped_worlds]
         optional = {"plots": list(self.plots), "plot_error": self.plot_error, "tensorboard": self.tensorboard,
                     "tensorboard_error": self.tensorboard_error}  # fmt: skip
         doc.update({k: v for k, v in optional.items() if v is not None})

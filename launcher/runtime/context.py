@@ -29,6 +29,9 @@ class WorkerContext:
     threads: int
     checkpoint: "Checkpoints"  # save(state, step=...), load(): see launcher.runtime.checkpoint
     stop_notice: "StopNotice"
+    # how many ranks of the node compute on this rank's GPU (resources.ranks_per_gpu; 1 on the CPU):
+    # above 1 the process group is gloo over CUDA tensors, since NCCL refuses two ranks on one GPU
+    ranks_per_gpu: int = 1
 
     @property
     def should_stop(self) -> bool:

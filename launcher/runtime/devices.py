@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from launcher.runtime.nvml import NvmlInventory, health_problems, read_inventory
@@ -240,6 +241,39 @@ def discover(
         cuda_visible_devices=visible,
         notes=tuple(notes),
     )
+
+
+class InventoryFileError(ValueError):
+    """A recorded node that cannot be read: the message says which file and what was expected."""
+
+
+def load_inventory(path: str | Path, *, visible_override: str | None = None) -> NodeInventory:
+    """A node recorded elsewhere, to plan for it from here (``launch JOB --dry-run --inventory
+    FILE``): what ``launch devices --json`` writes (hostname, CPUs, GPUs), or an NVML recording
+    (``python -m launcher.runtime.nvml --record``), which names no host and counts no CPUs: the
+    file's stem and this machine's CPU count stand in for them, and the notes say so."""
+    from launcher.runtime.nvml import RecordedNvml
+
+    expected = "expected what `launch devices --json` or `python -m launcher.runtime.nvml --record` writes"
+    where = Path(path)
+    try:
+        data = json.loads(where.read_text())
+    except OSError as exc:
+        raise InventoryFileError(f"--inventory {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise InventoryFileError(f"--inventory {path}: not JSON ({exc}); {expected}") from None
+    if isinstance(data, dict) and "nvml_recording" in data:
+        seen = discover(nvml=RecordedNvml(data), env={}, visible_override=visible_override)
+        note = f"recorded NVML ({where.name}): host named after the file; CPU count assumed to be this machine's ({seen.cpu_count})"
+        return replace(seen, hostname=where.stem, source="recorded", notes=(*seen.notes, note))
+    if isinstance(data, dict) and {"hostname", "cpu_count"} <= set(data):
+        try:
+            recorded = NodeInventory.from_dict(data)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise InventoryFileError(f"--inventory {path}: {type(exc).__name__}: {exc}; {expected}") from None
+        gpus = apply_visible_devices(list(recorded.gpus), visible_override) if visible_override is not None else list(recorded.gpus)
+        return replace(recorded, gpus=tuple(gpus), notes=(*recorded.notes, f"recorded inventory ({where.name})"))
+    raise InventoryFileError(f"--inventory {path}: neither a device list nor an NVML recording; {expected}")
 
 
 # --- d2l helpers --------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import ray
 
 from launcher import metric_names as names
 from launcher.procutil import read_json, write_json_atomic
-from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, STOP_NOTICE_SIGNAL, RankReport, WorkerConfig, rank_device
+from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_RANK_DEVICE, STOP_NOTICE_SIGNAL, RankReport, WorkerConfig
 from launcher.runtime.checkpoint import notify_stop, notify_watching_jobs
 from launcher.runtime.devices import usable_cpu_count
 
@@ -229,18 +229,24 @@ def interface_of(ip: str) -> str | None:
 
 def _device_mismatch(device_type: str, env: dict[str, str]) -> str | None:
     """Ray rewrites CUDA_VISIBLE_DEVICES per actor (ray#40803); check ours took effect: the node's
-    granted GPUs visible, and this rank's own at position LOCAL_RANK (its ``cuda:<local_rank>``)."""
+    granted GPUs visible, and this rank's own at the index its plan names (``cuda:<index>``)."""
     if device_type != "cuda":
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    local_rank, granted = int(env["LOCAL_RANK"]), env.get(ENV_GRANTED_GPU, "")
-    if local_rank >= len(visible) or visible[local_rank] != granted:
-        return f"rank {env['RANK']} was granted GPU {granted} but cuda:{local_rank} is GPU {visible[local_rank] if local_rank < len(visible) else 'none'} (CUDA_VISIBLE_DEVICES={','.join(visible)})"
+    index, granted = _planned_index(env), env.get(ENV_GRANTED_GPU, "")
+    if index >= len(visible) or visible[index] != granted:
+        return f"rank {env['RANK']} was granted GPU {granted} but cuda:{index} is GPU {visible[index] if index < len(visible) else 'none'} (CUDA_VISIBLE_DEVICES={','.join(visible)})"
     import torch
 
     if torch.cuda.device_count() != len(visible):
         return f"rank {env['RANK']} sees {torch.cuda.device_count()} GPU(s), expected {len(visible)} (CUDA_VISIBLE_DEVICES={','.join(visible)}; was CUDA initialised before the launcher set it?)"
     return None
+
+
+def _planned_index(env: dict[str, str]) -> int:
+    """The CUDA index the plan gave this rank: its ENV_RANK_DEVICE (set by ``place_ranks``), else its local rank."""
+    planned = env.get(ENV_RANK_DEVICE, "")
+    return int(planned.split(":", 1)[1]) if planned.startswith("cuda:") else int(env["LOCAL_RANK"])
 
 
 def _mismatch_report(config: WorkerConfig, env: dict[str, str], message: str) -> RankReport:
@@ -250,7 +256,7 @@ def _mismatch_report(config: WorkerConfig, env: dict[str, str], message: str) ->
         node_rank=int(env.get("GROUP_RANK", "0")),
         world_size=int(env["WORLD_SIZE"]),
         host=env.get(ENV_HOST, socket.gethostname()),
-        device=rank_device("cuda", int(env["LOCAL_RANK"])),
+        device=f"cuda:{_planned_index(env)}",
         error_type="DeviceMismatch",
         message=message,
         at=time.time(),

@@ -37,6 +37,7 @@ from launcher.procutil import (  # noqa: E402
 from launcher.protocol import (  # noqa: E402
     ENV_AGENT_PID,
     ENV_HOST,
+    ENV_RANK_DEVICE,
     ENV_RANK_SERVER_PID,
     CheckpointActivity,
     RankError,
@@ -135,7 +136,7 @@ def _new_report(config: WorkerConfig, env: Mapping[str, str], phases: dict[str, 
         node_rank=int(env.get("GROUP_RANK", "0")),
         world_size=int(env["WORLD_SIZE"]),
         host=env.get(ENV_HOST) or socket.gethostname(),
-        device=rank_device(config.device_type, local_rank),
+        device=env.get(ENV_RANK_DEVICE) or rank_device(config.device_type, local_rank, config.ranks_per_gpu),
         phases=phases,
         hostname=socket.gethostname(),
         pid=os.getpid(),
@@ -174,7 +175,7 @@ class _Rank:
             torch.set_num_threads(self.config.threads_per_worker)
         entry = _load_entrypoint(self.config.entrypoint) if self.config.entrypoint else None
         self.phases["imported"] = time.time()
-        device = _select_device(torch, self.config, self.report.local_rank)
+        device = _select_device(torch, self.config, self.report.device, self.report.local_rank)
         self.report.device = str(device)
         from launcher.runtime.metrics import MetricsRecorder
 
@@ -249,6 +250,7 @@ class _Rank:
             threads=torch.get_num_threads(),
             checkpoint=checkpoint,
             stop_notice=notice,
+            ranks_per_gpu=self.config.ranks_per_gpu if device.type == "cuda" else 1,
         )
         self.beacon.set_phase("running")
         try:
@@ -360,9 +362,10 @@ def _load_entrypoint(entrypoint: str) -> Callable[[Any], Any]:
     return getattr(importlib.import_module(module_name), func_name)
 
 
-def _select_device(torch: Any, config: WorkerConfig, local_rank: int) -> Any:
-    """The rank's device, as the plan named it (``protocol.rank_device``), made current."""
-    device = torch.device(rank_device(config.device_type, local_rank))
+def _select_device(torch: Any, config: WorkerConfig, planned: str, local_rank: int) -> Any:
+    """The rank's device, as the plan named it (``protocol.rank_device``, or its scheduler's
+    choice), made current."""
+    device = torch.device(planned)
     if device.type != "cuda":
         return device
     visible = torch.cuda.device_count()

@@ -24,6 +24,7 @@ from pydantic import (
     StrictInt,
     StringConstraints,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -94,6 +95,11 @@ class Resources(_Frozen):
     gpus_per_node: Literal["auto"] | Annotated[StrictInt, Field(ge=0, le=1024)] = "auto"
     cpu_workers: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=1024)] = 2
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # Ranks that share each GPU, as Ray's fractional GPUs (num_gpus: 1/k): a node runs k ranks per
+    # GPU it uses, rank k computing on cuda:<local_rank // k>. NCCL refuses two ranks on one GPU,
+    # so above 1 the process group is gloo over CUDA tensors (the plan says so). It lets every
+    # multi-rank GPU path run on one GPU; ignored on the CPU (cpu_workers counts the ranks there).
+    ranks_per_gpu: StrictInt = Field(1, ge=1, le=64)
 
     @model_validator(mode="before")
     @classmethod
@@ -134,13 +140,37 @@ class Resources(_Frozen):
 
 
 class Scaling(_Frozen):
-    workers: tuple[Annotated[StrictInt, Field(ge=1, le=65536)], ...] = Field(min_length=1, max_length=64)
+    # The world sizes, one stage each: a list ([1, 2, 4]), or "auto": 1, 2, 4, ... up to every
+    # worker slot the plan has (GPUs x ranks_per_gpu across the nodes, or CPU workers), and that
+    # total where it is not a power of two; over several nodes, each size a multiple of the nodes.
+    # Listed sizes that do not fit the nodes are skipped and said; none fitting is an error.
+    workers: Literal["auto"] | tuple[Annotated[StrictInt, Field(ge=1, le=65536)], ...] = "auto"
 
-    @model_validator(mode="after")
-    def _distinct(self) -> "Scaling":
-        if len(set(self.workers)) != len(self.workers):
-            raise ValueError("workers: each world size may appear once")
-        return self
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _world_sizes(cls, workers: Any) -> Any:
+        """Checked whole, before the union sees it: one line in the spec's words, not one per form."""
+        form = "expected 'auto' or a list of world sizes, e.g. [1, 2, 4]"
+        if workers == "auto":
+            return workers
+        if isinstance(workers, int) and not isinstance(workers, bool):
+            workers = [workers]  # one world size
+        if not isinstance(workers, (list, tuple)):
+            raise ValueError(form)  # the line adds what it got
+        if not workers:
+            raise ValueError(f"{form} (got an empty list)")
+        bad = [w for w in workers if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 65536]
+        if bad:
+            raise ValueError(f"{form}, each a whole number from 1 to 65536 (got {bad[0]!r})")
+        if len(workers) > 64:
+            raise ValueError(f"at most 64 world sizes (got {len(workers)})")
+        if len(set(workers)) != len(workers):
+            raise ValueError("each world size may appear once")
+        return tuple(workers)
+
+    @property
+    def auto(self) -> bool:
+        return self.workers == "auto"
 
 
 class Timeouts(_Frozen):
@@ -298,16 +328,24 @@ class JobSpec(_Frozen):
     def _one_program(self) -> "JobSpec":
         if (self.entrypoint is None) == (self.script is None):
             raise ValueError("set exactly one of 'entrypoint' (module:function) or 'script' (a file)")
-        if self.resources.elastic and self.scaling is not None:
+        if self.resources.elastic and self.scaling is not None and not self.scaling.auto:
             raise ValueError("resources.nodes: an elastic world ({min, max}) runs one stage at the size of the hosts it has; "
-                             "drop scaling.workers, or give nodes one count")
+                             "set scaling.workers: auto (or drop it), or give nodes one count")
         if self.args and self.script is None:
             raise ValueError("'args' is for 'script' mode; give an entrypoint its 'params'")
         return self
 
     @property
     def world_sizes(self) -> tuple[int, ...] | None:
-        return self.scaling.workers if self.scaling else None
+        """The listed world sizes; None where the nodes decide (``workers: auto``, or no ``scaling``)."""
+        if self.scaling is None or isinstance(self.scaling.workers, str):
+            return None
+        return self.scaling.workers
+
+    @property
+    def scales_auto(self) -> bool:
+        """``scaling.workers: auto``: one stage per power of two up to every slot (no ``scaling``: one stage, every slot)."""
+        return self.scaling is not None and self.scaling.auto
 
     def fingerprint(self) -> str:
         """A short hash of the effective spec, shown in results and Ray metadata."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from launcher.masking import mask_env
-from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_STAGE_DIR, StagePaths, WorkerConfig, rank_device
+from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_RANK_DEVICE, ENV_STAGE_DIR, StagePaths, WorkerConfig, rank_device
 from launcher.records import HangPolicy, RestartPolicy, StragglerPolicy
 from launcher.runtime.devices import GpuInfo, NodeInventory
 
@@ -235,17 +235,27 @@ def place_ranks(plan: StagePlan, placements: Sequence[RankPlacement]) -> StagePl
         if plan.device_type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(granted)  # what Ray granted this node's ranks
         nodes.append(NodeSlot(node_rank, target, len(peers), threads, env))
-        for local_rank, p in enumerate(peers):
-            mine = p.gpu_ids[0] if p.gpu_ids else ""
-            if plan.device_type == "cuda" and mine in granted:
-                local_rank = granted.index(mine)
-            device = rank_device(plan.device_type, local_rank)
-            extra = {ENV_GRANTED_GPU: mine} if plan.device_type == "cuda" else {}
-            ranks.append(RankSlot(p.rank, local_rank, node_rank, name, device, extra))
+        ranks += _placed_ranks(plan, peers, granted, node_rank, name)
     # every rank on one node: they meet on its loopback (the port is rank 0's free one), as gloo and NCCL do (node_env)
     address = LOOPBACK_ADDR if len(node_ids) == 1 else by_rank[0].address
     rendezvous = Rendezvous(address, by_rank[0].port or plan.rendezvous.port)
     return replace(plan, nodes=tuple(nodes), ranks=tuple(sorted(ranks, key=lambda r: r.rank)), rendezvous=rendezvous)
+
+
+def _placed_ranks(plan: StagePlan, peers: Sequence[RankPlacement], granted: Sequence[str], node_rank: int, name: str) -> list[RankSlot]:
+    """A node's ranks, local ranks in the order of their granted GPUs (ranks that share one are
+    neighbours), each on ``cuda:<its GPU's index among the granted>``: with fractional GPUs the
+    scheduler, not the local rank, decided the GPU, so the rank's env names its device."""
+    if plan.device_type != "cuda":
+        return [RankSlot(p.rank, local_rank, node_rank, name, rank_device("cpu", local_rank)) for local_rank, p in enumerate(peers)]
+    mine = {p.rank: (p.gpu_ids[0] if p.gpu_ids else "") for p in peers}
+    ordered = sorted(peers, key=lambda p: (granted.index(mine[p.rank]) if mine[p.rank] in granted else len(granted), p.rank))
+    slots = []
+    for local_rank, p in enumerate(ordered):
+        index = granted.index(mine[p.rank]) if mine[p.rank] in granted else local_rank
+        device = f"cuda:{index}"
+        slots.append(RankSlot(p.rank, local_rank, node_rank, name, device, {ENV_GRANTED_GPU: mine[p.rank], ENV_RANK_DEVICE: device}))
+    return slots
 
 
 def _node_names(placements: Sequence[RankPlacement]) -> dict[str, str]:

@@ -35,6 +35,10 @@ def _run_parser() -> _Parser:
     )
     p.add_argument("job", help="the job spec, e.g. jobs/matmul_scaling.yaml")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the exact commands; spawn nothing")
+    p.add_argument(
+        "--inventory", metavar="FILE",
+        help="with --dry-run: plan for a recorded node instead of this one (launch devices --json, or python -m launcher.runtime.nvml --record)",
+    )  # fmt: skip
     p.add_argument("--backend", help=f"override the spec's backend ({', '.join(BackendName.names())}, or an engine registered in launcher.backends)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a spec field, e.g. --set resources.cpu_workers=4")
     p.add_argument("--out", default="runs", help="root of run directories (default: runs/)")
@@ -51,6 +55,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = _run_parser().parse_args(argv)
     from launcher.spec.model import load_job
 
+    if args.inventory and not args.dry_run:
+        raise LauncherError("--inventory plans a dry run of a recorded node: add --dry-run (a run uses the nodes it is on)", exit_code=EXIT_BAD_INPUT)
     job = load_job(args.job, args.overrides)
     if args.dry_run:
         return _print_dry_run(job, args)
@@ -76,7 +82,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 def _print_dry_run(job: LoadedJob, args: argparse.Namespace) -> int:
     from launcher.control.api import dry_run
 
-    dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address)
+    dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, inventory=args.inventory)
     if args.json:
         print(json.dumps([p.masked() for p in dry.plans], indent=2))
         return EXIT_OK

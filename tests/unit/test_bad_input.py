@@ -83,8 +83,8 @@ CASES = [
     Case("cpu-workers-zero", BASE + "resources: {cpu_workers: 0}\n", ("resources.cpu_workers:", "greater than or equal to 1"), line=3),
     Case("cpu-workers-huge", BASE + "resources: {cpu_workers: 100000}\n", ("resources.cpu_workers:", "less than or equal to 1024"), line=3),
     Case("gpus-negative", BASE + "resources: {gpus_per_node: -1}\n", ("resources.gpus_per_node:",), line=3),
-    Case("scaling-empty", BASE + "scaling: {workers: []}\n", ("scaling.workers:", "at least 1"), line=3),
-    Case("scaling-zero", BASE + "scaling: {workers: [0]}\n", ("scaling.workers.0: expected greater than or equal to 1",), line=3),
+    Case("scaling-empty", BASE + "scaling: {workers: []}\n", ("scaling.workers:", "expected 'auto' or a list of world sizes", "empty list"), line=3),
+    Case("scaling-zero", BASE + "scaling: {workers: [0]}\n", ("scaling.workers: expected 'auto' or a list of world sizes", "from 1 to 65536 (got 0)"), line=3),
     Case("scaling-duplicate", BASE + "scaling: {workers: [1, 1]}\n", ("each world size may appear once",), line=3),
     Case("run-s-negative", BASE + "timeouts: {run_s: -5}\n", ("timeouts.run_s: expected greater than 0",), line=3),
     Case("run-s-huge", BASE + "timeouts: {run_s: 1.0e+12}\n", ("timeouts.run_s: expected less than or equal to",), line=3),
@@ -127,7 +127,8 @@ CASES = [
     # --- impossible resources (valid spec, no such machine): caught before any spawn -------------------
     Case("cuda-without-gpu", BASE + "resources: {device: cuda}\n", ("resources.device: 'cuda' requested but",)),
     Case("world-larger-than-slots", BASE + "resources: {cpu_workers: 2}\nscaling: {workers: [64]}\n",
-         ("scaling.workers: world size 64 requested, but only 2",)),
+         ("scaling.workers: no world size of [64] fits: world size 64 needs 64 worker slot(s) per node but resources.cpu_workers gives 2",
+          "--set resources.cpu_workers=64")),
     Case("nodes-without-cluster", BASE + "resources: {nodes: 2}\n", ("resources.nodes: 2 node(s) requested but 1 available",)),
     # --- flags --------------------------------------------------------------------------------------
     Case("set-without-equals", BASE, ("--set resources.cpu_workers: expected key.path=value",), argv=("--set", "resources.cpu_workers")),
@@ -242,7 +243,7 @@ def test_an_out_that_cannot_hold_a_run_directory_exits_2(tmp_path, capsys):
 @pytest.mark.parametrize(
     "override, expect",
     [
-        ("scaling.workers=[1,64]", "scaling.workers: world size 64 requested"),
+        ("scaling.workers=[64,128]", "scaling.workers: no world size of [64, 128] fits"),
         ("resources.nodes=2", "several nodes need a cluster file"),
         ("cluster=no-such-cluster.yaml", "no such cluster file"),
     ],

@@ -88,9 +88,67 @@ def test_cuda_demanded_on_a_cpu_node_fails(tmp_path):
         plans(tmp_path, "resources: {device: cuda}\n", [node("laptop")])
 
 
-def test_world_size_beyond_capacity_fails(tmp_path):
-    with pytest.raises(PlanError, match="world size 3 requested, but only 2"):
-        plans(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [1, 3]}\n", [node("laptop")])
+def test_listed_world_sizes_beyond_the_slots_are_skipped_with_why_and_what_would_run_them(tmp_path):
+    spec = job(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [1, 3]}\n")
+    sizing = size_run(spec, [node("laptop")])
+    assert sizing.world_sizes == (1,)
+    (skipped,) = sizing.skipped
+    assert skipped.world_size == 3
+    assert skipped.describe() == (
+        "world size 3 skipped: it needs 3 worker slot(s) per node but resources.cpu_workers gives 2; "
+        "--set resources.cpu_workers=3 runs it on the CPU"
+    )
+
+
+def test_a_world_size_beyond_one_gpu_names_more_gpus_or_ranks_sharing_it(tmp_path):
+    sizing = size_run(job(tmp_path, "scaling: {workers: [1, 2]}\n"), [node("g", "nvidia_smi_h100x4.csv", visible="0")])
+    assert sizing.world_sizes == (1,)
+    assert [s.world_size for s in sizing.skipped] == [2]
+    assert sizing.skipped[0].reason == "needs 2 worker slot(s) per node but 1 GPU(s) give 1"
+    assert sizing.skipped[0].remedy == "it runs where this node has 2 GPUs, or here with resources.ranks_per_gpu: 2 (ranks sharing a GPU, over gloo)"
+
+
+def test_no_listed_world_size_fitting_is_one_error(tmp_path):
+    with pytest.raises(PlanError, match=r"scaling.workers: no world size of \[3, 4\] fits: world size 3 needs 3 worker slot\(s\)"):
+        plans(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [3, 4]}\n", [node("laptop")])
+
+
+@pytest.mark.parametrize(
+    "gpus, visible, expected",
+    [(None, None, [1, 2]), ("nvidia_smi_h100x4.csv", "0", [1]), ("nvidia_smi_h100x4.csv", None, [1, 2, 4]),
+     ("nvidia_smi_h100x4.csv", "0,1,2", [1, 2, 3])],
+    ids=["cpu-2-workers", "one-gpu", "four-gpus", "three-gpus"],
+)  # fmt: skip
+def test_auto_world_sizes_are_powers_of_two_up_to_every_slot(tmp_path, gpus, visible, expected):
+    sizing = size_run(job(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: auto}\n"), [node("n", gpus, visible=visible)])
+    assert list(sizing.world_sizes) == expected and sizing.skipped == ()
+
+
+def test_auto_world_sizes_over_several_nodes_are_multiples_of_the_nodes(tmp_path):
+    from launcher.control.planning import auto_world_sizes
+
+    assert auto_world_sizes(16, 2) == [2, 4, 8, 16]
+    assert auto_world_sizes(6, 2) == [2, 4, 6]
+    assert auto_world_sizes(1, 1) == [1]
+    assert auto_world_sizes(6, 1) == [1, 2, 4, 6]
+
+
+def test_ranks_that_share_a_gpu_run_on_gloo_each_on_the_gpu_of_its_pair(tmp_path):
+    nodes = [node("g", "nvidia_smi_h100x4.csv", visible="0,1")]
+    spec = job(tmp_path, "resources: {ranks_per_gpu: 2}\nscaling: {workers: auto}\n")
+    sizing = size_run(spec, nodes)
+    assert sizing.world_sizes == (1, 2, 4) and sizing.per_node == 4
+    assert any("ranks_per_gpu: 2 ranks share each GPU" in n and "gloo over CUDA tensors" in n for n in sizing.notes)
+    plan = make_plans(spec, nodes, sizing, run_dir=tmp_path / "run", master_port=41234)[-1]
+    assert [r.device for r in plan.ranks] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert plan.pg_backend == "gloo" and plan.worker.ranks_per_gpu == 2
+    assert [r.local_rank for r in plan.ranks] == [0, 1, 2, 3]
+
+
+def test_ranks_per_gpu_means_nothing_on_the_cpu(tmp_path):
+    (plan,) = plans(tmp_path, "resources: {cpu_workers: 2, ranks_per_gpu: 2}\n", [node("laptop", cpus=4)])
+    assert plan.world_size == 2 and [r.device for r in plan.ranks] == ["cpu", "cpu"]
+    assert plan.worker.ranks_per_gpu == 1 and plan.pg_backend == "gloo"
 
 
 def test_several_nodes_need_a_cluster(tmp_path):
@@ -215,20 +273,41 @@ def test_placed_gpus_are_each_nodes_granted_devices_with_every_rank_on_its_own(t
     assert placed.rank_env(placed.ranks[0])["GPULAUNCH_GRANTED_GPU"] == "3"
 
 
-def test_world_sizes_that_cannot_split_over_the_nodes_are_refused_from_the_spec_alone(tmp_path):
+def test_placed_ranks_that_share_gpus_are_neighbours_each_told_its_device(tmp_path):
+    (pool_plan,) = plans(tmp_path, "resources: {ranks_per_gpu: 2}\n", [node("g", "nvidia_smi_h100x4.csv", visible="0,1")])
+    # Ray's fractional GPUs: the scheduler chose each rank's GPU, not in rank order
+    placed = place_ranks(
+        pool_plan, [RankPlacement(r, "n", "g", "10.1.0.1", cpus=16, gpu_ids=(gpu,)) for r, gpu in enumerate(["1", "0", "1", "0"])]
+    )
+    assert placed.nodes[0].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    by_rank = {r.rank: r for r in placed.ranks}
+    assert [by_rank[k].device for k in range(4)] == ["cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert [by_rank[k].local_rank for k in (1, 3, 0, 2)] == [0, 1, 2, 3]  # ranks sharing a GPU are neighbours
+    assert placed.rank_env(by_rank[0])["GPULAUNCH_RANK_DEVICE"] == "cuda:1"
+
+
+def test_world_sizes_none_of_which_splits_over_the_nodes_are_refused_from_the_spec_alone(tmp_path):
     from launcher.control.planning import check_node_split
 
-    with pytest.raises(PlanError, match=r"world size 1 does not divide over 2 nodes .* --set scaling.workers=\[2,4\]"):
-        check_node_split(job(tmp_path, "resources: {nodes: 2}\nscaling: {workers: [1, 2]}\n"))
-    check_node_split(job(tmp_path, "resources: {nodes: 2}\nscaling: {workers: [2, 4]}\n"))  # fits: no error
+    with pytest.raises(PlanError, match=r"no world size of \[1, 3\] divides over 2 nodes .* --set scaling.workers=auto"):
+        check_node_split(job(tmp_path, "resources: {nodes: 2}\nscaling: {workers: [1, 3]}\n"))
+    check_node_split(job(tmp_path, "resources: {nodes: 2}\nscaling: {workers: [1, 2]}\n"))  # 2 fits: 1 is skipped later
+    check_node_split(job(tmp_path, "resources: {nodes: 2}\nscaling: {workers: auto}\n"))
     check_node_split(job(tmp_path, "resources: {nodes: 2}\n"))  # no scaling: every slot of every node, always fits
+
+
+def test_a_world_size_that_does_not_split_over_the_nodes_is_skipped(tmp_path):
+    spec = job(tmp_path, "resources: {nodes: 2, cpu_workers: 2}\nscaling: {workers: [1, 2, 4]}\n")
+    sizing = size_run(spec, [node("a", cpus=4), node("b", cpus=4)])
+    assert sizing.world_sizes == (2, 4)
+    assert [(s.world_size, s.reason) for s in sizing.skipped] == [(1, "does not divide over 2 nodes")]
 
 
 def test_unused_worker_slots_are_named_with_the_setting_that_decides(tmp_path):
     spec = job(tmp_path, "resources: {cpu_workers: 4}\nscaling: {workers: [1, 2]}\n")
     (note,) = size_run(spec, [node("laptop", cpus=8)]).notes
     assert "resources.cpu_workers give 4 worker slot(s), but scaling.workers [1, 2] decides" in note
-    assert "--set scaling.workers=[1,2,4]" in note
+    assert "--set scaling.workers=auto to use them all" in note
     assert size_run(job(tmp_path, "resources: {cpu_workers: 2}\nscaling: {workers: [1, 2]}\n"), [node("l", cpus=8)]).notes == ()
 
 
