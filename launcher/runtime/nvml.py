@@ -24,11 +24,14 @@ Never imports torch: it runs in every preflight.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 RECORDING_FORMAT = 1
 
@@ -40,6 +43,7 @@ NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
+NVML_CLOCK_MEM = 2
 NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 NVML_VOLATILE_ECC = 0
 NVML_NVLINK_MAX_LINKS = 36
@@ -403,6 +407,261 @@ def granted_gpu_problems(index: int, visible: str | None, nvml: Any | None = Non
         return []
     gpu = gpus[index]
     return [f"GPU {gpu.index} ({gpu.uuid}): {problem}" for problem in health_problems(gpu)]
+
+
+# --- a GPU's clocks over one figure's run ----------------------------------------------------------
+
+# What each clock-event reason means for a figure, in a report's words.
+CLOCK_EVENT_WORDS = {
+    "sw_power_cap": "power cap",
+    "hw_slowdown": "hardware slowdown",
+    "sw_thermal": "thermal slowdown",
+    "hw_thermal": "hardware thermal slowdown",
+    "hw_power_brake": "power brake",
+}
+# A reason present in at least this fraction of a run's samples explains a figure.
+EXPLAINS = 0.10
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One NVML reading of a GPU while a figure runs (None: NVML did not say)."""
+
+    t_s: float  # seconds since the sampler started
+    sm_mhz: int | None
+    mem_mhz: int | None
+    power_w: float | None
+    power_limit_w: float | None
+    temperature_c: int | None
+    reasons: tuple[str, ...]  # active clock-event reasons (CLOCK_EVENT_REASONS)
+
+
+@dataclass(frozen=True)
+class GpuClocks:
+    """A GPU's clocks, power and clock-event (throttle) reasons over one figure's run: what makes a
+    figure lower than its neighbour (the power cap, heat) visible beside it."""
+
+    samples: int
+    seconds: float
+    sm_mhz_min: int | None
+    sm_mhz_median: int | None
+    sm_mhz_max: int | None
+    sm_mhz_top: int | None  # the GPU's max SM clock (NVML)
+    mem_mhz_median: int | None
+    power_w_median: float | None
+    power_w_max: float | None
+    power_limit_w: float | None
+    temperature_c_max: int | None
+    reasons: dict[str, float]  # fraction of the samples with each reason (those seen at all)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "GpuClocks | None":
+        if not data:
+            return None
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["reasons"] = {str(k): float(v) for k, v in dict(data.get("reasons") or {}).items()}
+        return cls(**values)
+
+    def sm_range(self) -> str | None:
+        if self.sm_mhz_min is None or self.sm_mhz_max is None:
+            return None
+        same = self.sm_mhz_min == self.sm_mhz_max
+        return f"SM clock {self.sm_mhz_min} MHz" if same else f"SM clock {self.sm_mhz_min}-{self.sm_mhz_max} MHz"
+
+    def why(self, at_least: float = EXPLAINS) -> str | None:
+        """Why a figure measured under these clocks is low, in words, or None where no clock-event
+        reason was active in ``at_least`` of the samples: "power cap: 700 W reached in 80% of
+        samples, SM clock 1590-1980 MHz"."""
+        parts = []
+        for reason, share in sorted(self.reasons.items(), key=lambda kv: -kv[1]):
+            if share < at_least:
+                continue
+            words = CLOCK_EVENT_WORDS.get(reason, reason)
+            if reason == "sw_power_cap":
+                limit = f"{self.power_limit_w:.0f} W" if self.power_limit_w else "the power limit"
+                parts.append(f"{words}: {limit} reached in {share:.0%} of samples")
+            elif reason in ("sw_thermal", "hw_thermal") and self.temperature_c_max is not None:
+                parts.append(f"{words} in {share:.0%} of samples (up to {self.temperature_c_max} C)")
+            else:
+                parts.append(f"{words} in {share:.0%} of samples")
+        if not parts:
+            return None
+        sm = self.sm_range()
+        return ", ".join([*parts, *([sm] if sm else [])])
+
+    def words(self) -> str:
+        """All of it, short: "SM clock 1590-1980 MHz (median 1755), memory 2619 MHz, 690 W max of 700 W, 61 C max"."""
+        parts = []
+        if sm := self.sm_range():
+            parts.append(sm + (f" (median {self.sm_mhz_median})" if self.sm_mhz_median is not None and self.sm_mhz_min != self.sm_mhz_max else ""))
+        if self.mem_mhz_median is not None:
+            parts.append(f"memory {self.mem_mhz_median} MHz")
+        if self.power_w_max is not None:
+            parts.append(f"{self.power_w_max:.0f} W max" + (f" of {self.power_limit_w:.0f} W" if self.power_limit_w else ""))
+        if self.temperature_c_max is not None:
+            parts.append(f"{self.temperature_c_max} C max")
+        seen = [f"{CLOCK_EVENT_WORDS.get(r, r)} {share:.0%}" for r, share in sorted(self.reasons.items(), key=lambda kv: -kv[1])]
+        if seen:
+            parts.append("clock events: " + ", ".join(seen))
+        return ", ".join(parts) + f" ({self.samples} samples over {self.seconds:.2g} s)"
+
+
+def summarize_samples(samples: list[GpuSample], sm_mhz_top: int | None = None) -> GpuClocks | None:
+    """min/median/max SM clock, median memory clock, median and max power, the power limit, the
+    hottest reading and the fraction of samples with each clock-event reason. None: no samples."""
+    if not samples:
+        return None
+
+    def known(values: list[Any]) -> list[Any]:
+        return [v for v in values if v is not None]
+
+    sm = known([s.sm_mhz for s in samples])
+    mem = known([s.mem_mhz for s in samples])
+    power = known([s.power_w for s in samples])
+    limits = known([s.power_limit_w for s in samples])
+    temps = known([s.temperature_c for s in samples])
+    seen = sorted({r for s in samples for r in s.reasons})
+    return GpuClocks(
+        samples=len(samples),
+        seconds=round(samples[-1].t_s - samples[0].t_s, 3),
+        sm_mhz_min=min(sm) if sm else None,
+        sm_mhz_median=int(statistics.median(sm)) if sm else None,
+        sm_mhz_max=max(sm) if sm else None,
+        sm_mhz_top=sm_mhz_top,
+        mem_mhz_median=int(statistics.median(mem)) if mem else None,
+        power_w_median=round(float(statistics.median(power)), 1) if power else None,
+        power_w_max=round(max(power), 1) if power else None,
+        power_limit_w=round(max(limits), 1) if limits else None,
+        temperature_c_max=max(temps) if temps else None,
+        reasons={r: round(sum(r in s.reasons for s in samples) / len(samples), 3) for r in seen},
+    )
+
+
+class GpuSampler:
+    """NVML's readings of one GPU in a thread, every ``interval_s``, while a figure runs::
+
+        with GpuSampler(uuid="GPU-...") as sampler:
+            ...  # the timed trials
+        sampler.clocks  # a GpuClocks, or None (no GPU, no NVML, the GPU not found)
+
+    The GPU is found by its UUID (what torch's device properties give: CUDA_VISIBLE_DEVICES and
+    CUDA_DEVICE_ORDER do not matter) or else by NVML index. One reading at the start and one at the
+    end, so a short run still has two. Never raises for NVML: ``why_not`` says what stopped it.
+    ``nvml``: the pynvml module (default) or a stand-in (RecordedNvml, a test's fake).
+    """
+
+    def __init__(self, uuid: str | None = None, index: int | None = None, *, interval_s: float = 0.02,
+                 nvml: Any | None = None, clock: Callable[[], float] = time.monotonic, enabled: bool = True) -> None:
+        self.uuid, self.index, self.interval_s = uuid, index, interval_s
+        self._nvml = nvml
+        self._clock = clock
+        self._enabled = enabled and (uuid is not None or index is not None)
+        self._handle: Any = None
+        self._t0 = 0.0
+        self._samples: list[GpuSample] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._top: int | None = None
+        self.clocks: GpuClocks | None = None
+        self.why_not: str | None = None if self._enabled else "no GPU"
+
+    def __enter__(self) -> "GpuSampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def samples(self) -> list[GpuSample]:
+        return list(self._samples)
+
+    def start(self) -> None:
+        if not self._enabled:
+            return
+        nvml = _pynvml() if self._nvml is None else self._nvml
+        if nvml is None:
+            self.why_not = "nvidia-ml-py (pynvml) is not installed"
+            return
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            self.why_not = f"NVML did not start: {exc}"
+            return
+        self._nvml = nvml
+        self._handle = self._find(nvml)
+        if self._handle is None:
+            self.why_not = f"NVML has no GPU {self.uuid or self.index}"
+            self._shutdown()
+            return
+        self._top = _optional_int(_ask(nvml, "nvmlDeviceGetMaxClockInfo", self._handle, NVML_CLOCK_SM))
+        self._t0 = self._clock()
+        self._samples = [self.sample()]
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> GpuClocks | None:
+        if self._handle is None:
+            return None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        try:
+            self._samples.append(self.sample())
+        except Exception:  # noqa: BLE001 - a reading lost at the end loses one sample, not the figure
+            pass
+        self._shutdown()
+        self._handle = None
+        self.clocks = summarize_samples(self._samples, self._top)
+        return self.clocks
+
+    def sample(self) -> GpuSample:
+        nvml, handle = self._nvml, self._handle
+        mask = _clock_event_mask(nvml, handle)
+        power = _ask(nvml, "nvmlDeviceGetPowerUsage", handle)
+        limit = _ask(nvml, "nvmlDeviceGetEnforcedPowerLimit", handle)
+        return GpuSample(
+            t_s=round(self._clock() - self._t0, 4),
+            sm_mhz=_optional_int(_ask(nvml, "nvmlDeviceGetClockInfo", handle, NVML_CLOCK_SM)),
+            mem_mhz=_optional_int(_ask(nvml, "nvmlDeviceGetClockInfo", handle, NVML_CLOCK_MEM)),
+            power_w=None if power is None else int(power) / 1000.0,
+            power_limit_w=None if limit is None else int(limit) / 1000.0,
+            temperature_c=_optional_int(_ask(nvml, "nvmlDeviceGetTemperature", handle, NVML_TEMPERATURE_GPU)),
+            reasons=() if mask is None else tuple(reason for bit, reason in CLOCK_EVENT_REASONS if mask & bit),
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._samples.append(self.sample())
+            except Exception:  # noqa: BLE001 - NVML gone mid-run: the samples so far stand
+                return
+
+    def _find(self, nvml: Any) -> Any | None:
+        if self.uuid is None:
+            return _ask(nvml, "nvmlDeviceGetHandleByIndex", self.index)
+        count = _ask(nvml, "nvmlDeviceGetCount")
+        for i in range(int(count or 0)):
+            handle = _ask(nvml, "nvmlDeviceGetHandleByIndex", i)
+            uuid = None if handle is None else _ask(nvml, "nvmlDeviceGetUUID", handle)
+            if uuid is not None and _text(uuid).removeprefix("GPU-") == self.uuid.removeprefix("GPU-"):
+                return handle
+        return None
+
+    def _shutdown(self) -> None:
+        nvml = self._nvml
+        if nvml is None:
+            return
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
 
 
 # --- recording and playing back -------------------------------------------------------------------

@@ -39,6 +39,7 @@ def _run_parser() -> _Parser:
         "--inventory", metavar="FILE",
         help="with --dry-run: plan for a recorded node instead of this one (launch devices --json, or python -m launcher.runtime.nvml --record)",
     )  # fmt: skip
+    p.add_argument("--preflight", action="store_true", help="with --dry-run and a cluster file: log in to every host and plan on what it has")
     p.add_argument("--backend", help=f"override the spec's backend ({', '.join(BackendName.names())}, or an engine registered in launcher.backends)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a spec field, e.g. --set resources.cpu_workers=4")
     p.add_argument("--out", default="runs", help="root of run directories (default: runs/)")
@@ -55,6 +56,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     args = _run_parser().parse_args(argv)
     from launcher.spec.model import load_job
 
+    if args.preflight and not args.dry_run:
+        raise LauncherError("--preflight goes with --dry-run (a run always checks its hosts first)", exit_code=EXIT_BAD_INPUT)
     if args.inventory and not args.dry_run:
         raise LauncherError("--inventory plans a dry run of a recorded node: add --dry-run (a run uses the nodes it is on)", exit_code=EXIT_BAD_INPUT)
     job = load_job(args.job, args.overrides)
@@ -82,7 +85,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 def _print_dry_run(job: LoadedJob, args: argparse.Namespace) -> int:
     from launcher.control.api import dry_run
 
-    dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, inventory=args.inventory)
+    dry = dry_run(job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, inventory=args.inventory, preflight=args.preflight)
     if args.json:
         print(json.dumps([p.masked() for p in dry.plans], indent=2))
         return EXIT_OK

@@ -26,7 +26,7 @@ from launcher.runtime.devices import usable_cpu_count
 from launcher.workloads.measure import host_barrier_group, machine_state, torch_dtype, trial_loop
 from launcher.workloads.params import Count, DtypeName, NonNegative, Positive, Sizes, WorkloadParams
 from launcher.workloads.plotting import devices_label, integer_ticks, legend_below, save_figure, values, yerr
-from launcher.workloads.stats import Stat, flags_for, ok_ranks, rnd, span, stat
+from launcher.workloads.stats import Stat, flags_for, ok_ranks, rnd, span, stat, times, times_range
 
 
 class Params(WorkloadParams):
@@ -109,18 +109,25 @@ def run(ctx: Any) -> dict[str, Any]:
     dist.barrier(group=quiet)  # the GPUs start when the CPU is quiet again
     if ctx.device.type == "cuda":
         out["gpu_name"] = torch.cuda.get_device_name(ctx.device)
-        for n in sizes:
-            iters = iters_for(n, p)
-            a = torch.randn(n, n, device=ctx.device, dtype=dtype)
-            b = torch.randn(n, n, device=ctx.device, dtype=dtype)
-            for _ in range(warmup):
-                torch.matmul(a, b)
-            # every rank's trial starts together (host barrier after draining the device)
-            for _ in trial_loop(ctx.device, p.trials, group=quiet):
-                with rec.timer(f"gpu/{n}"):  # CUDA events: read once, at the end of the run
-                    for _ in range(iters):
+        # ranks that share a GPU (resources.ranks_per_gpu) take turns on it: each figure is the GPU's
+        share = max(1, int(getattr(ctx, "ranks_per_gpu", 1) or 1))
+        out["ranks_per_gpu"] = share
+        for turn in range(share):
+            if ctx.local_rank % share == turn:
+                for n in sizes:
+                    iters = iters_for(n, p)
+                    a = torch.randn(n, n, device=ctx.device, dtype=dtype)
+                    b = torch.randn(n, n, device=ctx.device, dtype=dtype)
+                    for _ in range(warmup):
                         torch.matmul(a, b)
-            rec.step()
+                    # every rank's trial starts together (host barrier after draining the device); in turns: this turn's ranks
+                    for _ in trial_loop(ctx.device, p.trials, group=quiet, together=share == 1):
+                        with rec.timer(f"gpu/{n}"):  # CUDA events: read once, at the end of the run
+                            for _ in range(iters):
+                                torch.matmul(a, b)
+                    rec.step()
+            if share > 1:
+                dist.barrier(group=quiet)
     out["iters"] = {str(n): iters_for(n, p) for n in sizes}
     out["machine_end"] = machine_state()
     return out
@@ -232,15 +239,15 @@ def _conclusions(rows: list[dict[str, Any]], gpu: bool, threads: list[int], rank
         return out
     big = max((r for r in rows if r["speedup"] is not None and not r["flags"]), key=lambda r: r["size"], default=None)
     if big is not None:
-        out.append(f"at n={big['size']} the GPU is {big['speedup']:.1f}x faster than the CPU (range "
-                   f"{big['speedup_min']:.1f}-{big['speedup_max']:.1f}x; {big['gpu_gflops']:.4g} GFLOP/s)")
+        out.append(f"at n={big['size']} the GPU is {times(big['speedup'])} than the CPU (range "
+                   f"{times_range(big['speedup_min'], big['speedup_max'])}; {big['gpu_gflops']:.4g} GFLOP/s)")
     slow = [r for r in rows if r["speedup"] is not None and r["speedup"] <= 1.0 and not r["flags"]]
     even = _break_even(rows)
     if slow:
         where = ", ".join(str(r["size"]) for r in slow)
-        speedups = ", ".join(f"{r['speedup']:.2f}" for r in slow)
+        speedups = ", ".join(times(r["speedup"]) for r in slow)
         out.append(
-            f"the GPU stops paying off for small tasks: at n={where} it is no faster (speedup {speedups}): "
+            f"the GPU stops paying off for small tasks: at n={where} it is no faster ({speedups} than the CPU): "
             "launching a kernel costs a few us, more than the arithmetic"
         )
     if even is not None:

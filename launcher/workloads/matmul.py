@@ -35,10 +35,11 @@ from pydantic import Field
 
 from launcher.fieldtypes import Real
 from launcher.workloads.fairness import busy_stages, load_words, threads_words
-from launcher.workloads.measure import host_barrier_group, machine_state, set_threads, sync, torch_dtype, trial_loop
+from launcher.runtime.nvml import GpuClocks
+from launcher.workloads.measure import clocks_dict, gpu_sampler, host_barrier_group, machine_state, set_threads, sync, torch_dtype, trial_loop
 from launcher.workloads.params import Count, DtypeName, NonNegative, Sizes, ThreadsPerRank, WorkloadParams
 from launcher.workloads.plotting import integer_ticks, legend_below, save_figure, values, yerr
-from launcher.workloads.stats import NOISY_SPREAD, SUPERLINEAR, Stat, flags_for, pct, rnd, span, stat, stat_fields
+from launcher.workloads.stats import NOISY_SPREAD, SUPERLINEAR, Stat, flags_for, pct, rnd, span, stat, stat_fields, times, times_range
 
 
 class Params(WorkloadParams):
@@ -58,7 +59,8 @@ def run(ctx: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     p = Params.model_validate(ctx.params)
-    out: dict[str, Any] = {**set_threads(ctx, p.threads_per_rank), "machine_start": machine_state()}
+    out: dict[str, Any] = {**set_threads(ctx, p.threads_per_rank), "machine_start": machine_state(),
+                           "ranks_per_gpu": getattr(ctx, "ranks_per_gpu", 1), "clocks": {}}
     dtype = torch_dtype(p.dtype)
     rec = ctx.metrics
     host = host_barrier_group(dist, ctx)  # waiting ranks sleep in gloo instead of spinning
@@ -74,12 +76,17 @@ def run(ctx: Any) -> dict[str, Any]:
         c = a
         for _ in range(p.warmup):
             torch.matmul(a, b)
-        # each trial starts on every rank at once (the loop's barrier), on an idle device
-        for _ in trial_loop(ctx.device, p.trials, p.min_time_s, group=host):
-            with rec.timer(f"matmul/{n}"):
-                for _ in range(p.iters):
-                    c = torch.matmul(a, b)
-                    rec.step()
+        # each trial starts on every rank at once (the loop's barrier), on an idle device; NVML
+        # samples the GPU's clocks, power and clock-event reasons over the trials
+        sampler = gpu_sampler(ctx.device)
+        with sampler:
+            for _ in trial_loop(ctx.device, p.trials, p.min_time_s, group=host):
+                with rec.timer(f"matmul/{n}"):
+                    for _ in range(p.iters):
+                        c = torch.matmul(a, b)
+                        rec.step()
+        if (clocks := clocks_dict(sampler)) is not None:
+            out["clocks"][str(n)] = clocks
         rec.log(f"checksum/{n}", c.norm())  # stays on the device until the end
         done.append(n)
         _save_sizes(ctx, rec, done)
@@ -112,8 +119,8 @@ def _resume_sizes(ctx: Any, rec: Any) -> list[int]:
     if restored is None:
         return []
     figures = restored.state["ranks"][ctx.rank]
-    for name, times in figures["times_ms"].items():
-        for ms in times:
+    for name, trials_ms in figures["times_ms"].items():
+        for ms in trials_ms:
             rec.add_time_ms(name, ms)
     for name, logged in figures["values"].items():
         for value in logged:
@@ -191,6 +198,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
         for n in p.sizes:
             totals[(ws, n)] = _stage_trials(stage, n, p.iters)
     base_ws = min((s["world_size"] for s in done), default=None)
+    stage_of = {s["world_size"]: s for s in done}
     busy = busy_stages(done)
     rows = []
     for ws in sorted({s["world_size"] for s in done}):
@@ -199,7 +207,8 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
             if total is None:
                 continue
             base = totals[(base_ws, n)][0] if base_ws is not None else None
-            rows.append(_row(ws, n, total, per_rank, base, base_ws, threads.get(ws), busy.get(ws)))
+            row = _row(ws, n, total, per_rank, base, base_ws, threads.get(ws), busy.get(ws))
+            rows.append({**row, **_run_facts(stage_of[ws], n)})
     fair_words, fair = threads_words(threads, policy, cores, device)
     load, was_busy = load_words(done)
     concurrency = _concurrency_rows(stages, p)
@@ -219,6 +228,21 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
                    "half the cores (1-minute load average)"),
         "conclusions": _conclusions(rows, p, base_ws, device, fair_words, fair, load, was_busy, concurrency),
     }
+
+
+def _run_facts(stage: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """How long a size's trials ran (the slowest rank's sum: what a comparison at equal duration
+    needs), whether ranks shared a GPU, and the GPU's clocks over the trials (the rank whose GPU
+    ran slowest, where NVML sampled: its clock-event reasons say why)."""
+    ranks = [r for r in stage["ranks"] if r.get("status") == "ok"]
+    timed = [sum(r.get("metrics", {}).get("times_ms", {}).get(f"matmul/{n}") or []) for r in ranks]
+    devices = [(r.get("host"), r.get("device")) for r in ranks]
+    shared = len(set(devices)) < len(devices) and any(str(d).startswith("cuda") for _, d in devices)
+    sampled = [c for r in ranks if (c := GpuClocks.from_dict(((r.get("result") or {}).get("clocks") or {}).get(str(n))))]
+    clocks = min(sampled, key=lambda c: c.sm_mhz_median or 0, default=None)
+    return {"timed_s": rnd(max(timed) / 1e3, 3) if timed else None, "shared_gpu": shared,
+            "clocks": clocks.to_dict() if clocks else None, "why": clocks.why() if clocks else None,
+            "gpu_clocks": clocks.words() if clocks else None}
 
 
 def _row(ws: int, n: int, total: Stat, per_rank: list[Stat], base: Stat | None, base_ws: int | None, threads: Any,
@@ -276,7 +300,16 @@ def _conclusions(rows: list[dict[str, Any]], p: Params, base_ws: int | None, dev
                 f"{row['workers']} workers reach {pct(row['efficiency'])} scaling efficiency at n={largest} "
                 f"(range {pct(row['efficiency_min'])}-{pct(row['efficiency_max'])} over the trials; {measured})"
             )
+        if row.get("shared_gpu"):
+            out.append(f"{row['workers']} workers share GPUs (resources.ranks_per_gpu): their efficiency measures sharing a GPU, "
+                       "not scaling to more GPUs (one GPU's throughput split between its ranks reads 1/k per rank)")
     out.append(fair_words)
+    for row in rows:
+        timed = f"{row['timed_s']:.3g} s of timed trials" if row.get("timed_s") is not None else "trials' time unknown"
+        if row.get("why"):
+            out.append(f"{row['workers']} worker(s) at n={row['size']} ran slowed ({timed}): {row['why']}")
+        elif row.get("gpu_clocks") and row["size"] == largest:
+            out.append(f"{row['workers']} worker(s) at n={row['size']}: {timed}; GPU {row['gpu_clocks']}")
     if load:
         out.append(load + (": the machine was busy, other work than this job's ranks competed for the cores" if busy else ""))
     flagged = [f"{r['workers']}x n={r['size']}" for r in rows if r["flags"]]
@@ -286,12 +319,18 @@ def _conclusions(rows: list[dict[str, Any]], p: Params, base_ws: int | None, dev
         what = (f"two tasks of {row['iters']} matmuls (n={row['size']}): {row['sequential_ms']:.1f} ms one after the other on "
                 f"{row['devices'][0]}, {row['concurrent_ms']:.1f} ms at once on {' + '.join(row['devices'])} (medians of "
                 f"{row['trials']} trials)")
+        at_once = f"at once {times(row['speedup'], digits=2)} than one after the other"
+        spread = times_range(row["speedup_min"], row["speedup_max"], digits=2)
+        shared = row["devices"][0] == row["devices"][1] and row["hosts"][0] == row["hosts"][1] and "cuda" in str(row["devices"][0])
         if row["flags"]:
-            out.append(f"{what}: speedup {row['speedup']:.2f}x (range {row['speedup_min']:.2f}-{row['speedup_max']:.2f}) "
-                       f"not conclusive: {row['note']}")
+            out.append(f"{what}: {at_once} (range {spread}) not conclusive: {row['note']}")
+        elif shared:
+            out.append(f"{what}: {at_once} (range {spread})")
         else:
-            out.append(f"{what}: {row['speedup']:.2f}x speedup (range {row['speedup_min']:.2f}-{row['speedup_max']:.2f}; "
-                       "2x would be linear)")
+            out.append(f"{what}: {at_once} (range {spread}; 2x faster would be linear)")
+        if shared:
+            out.append(f"rank 0 and rank 1 share {row['devices'][0]} (resources.ranks_per_gpu): the two tasks ran on one GPU at "
+                       "once, so this measures sharing a GPU, not scaling to a second one (about 1x: the GPU was already busy)")
         if "cpu" in row["devices"]:
             out.append(
                 f"CPU run: the two 'devices' are two worker processes with {row['threads_per_worker']} thread(s) each "

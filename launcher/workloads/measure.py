@@ -109,3 +109,29 @@ def device_name(device: Any) -> str:
 
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+def device_uuid(device: Any) -> str | None:
+    """The UUID of ``device``'s GPU as NVML spells it ("GPU-..."); None on the CPU or where torch
+    does not say."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    return "GPU-" + uuid.removeprefix("GPU-") if uuid else None
+
+
+def gpu_sampler(device: Any, *, interval_s: float = 0.02) -> Any:
+    """A ``GpuSampler`` of ``device``'s GPU (its clocks, power and clock-event reasons while in a
+    ``with``); on the CPU or without NVML one that samples nothing (its ``clocks`` stay None)."""
+    from launcher.runtime.nvml import GpuSampler
+
+    uuid = device_uuid(device)
+    return GpuSampler(uuid=uuid, interval_s=interval_s, enabled=uuid is not None)
+
+
+def clocks_dict(sampler: Any) -> dict[str, Any] | None:
+    """A finished sampler's summary as ``result.json`` keeps it (None: nothing sampled)."""
+    clocks = getattr(sampler, "clocks", None)
+    return None if clocks is None else dict(clocks.to_dict())

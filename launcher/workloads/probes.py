@@ -13,6 +13,7 @@ torch is imported lazily: the launcher imports the workloads before it spawns an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -33,6 +34,8 @@ class Trials:
     high: float
     trials: int
     unit: str
+    per_trial: int = 1  # operations (matmuls, copies) timed together as one trial
+    seconds: float = 0.0  # the timed trials' total time
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,24 +72,85 @@ def time_ms(device: Any, fn: Callable[[], Any], *, warmup: int, trials: int, rep
     return out
 
 
-def rate(ms: list[float], amount: float, unit: str) -> Trials:
-    """``amount`` per trial's time, as a rate: the fastest trial gives the highest rate."""
+def rate(ms: list[float], amount: float, unit: str, per_trial: int = 1) -> Trials:
+    """``amount`` per trial's time, as a rate: the fastest trial gives the highest rate (``ms``:
+    per operation, ``per_trial`` operations in each trial)."""
     rates = [amount / (m / 1e3) for m in ms]
-    return Trials(statistics.median(rates), min(rates), max(rates), len(rates), unit)
+    return Trials(statistics.median(rates), min(rates), max(rates), len(rates), unit, per_trial, round(sum(ms) * per_trial / 1e3, 4))
 
 
-def matmul_tflops(device: Any, dtype: str, n: int, *, repeat: int, trials: int, warmup: int = 3) -> Trials:
+def warm_up(device: Any, fn: Callable[[], Any], seconds: float, *, at_least: int = 1) -> int:
+    """Run ``fn`` for ``seconds`` of wall time (the device drained every ~20 ms of work), after
+    ``at_least`` calls: clocks and power settle over time, not over a count of calls (a GPU takes
+    about a second to reach the clock its power cap holds under a long run). Calls made."""
+    import torch
+
+    cuda = device.type == "cuda"
+    for _ in range(at_least):
+        fn()
+    done, chunk = at_least, 1
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        for _ in range(chunk):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        done += chunk
+        if time.perf_counter() - t0 < 0.02:
+            chunk *= 2
+    return done
+
+
+def matmul_tflops(device: Any, dtype: str, n: int, *, repeat: int | None = None, trials: int, warmup: int = 3,
+                  warmup_s: float = 0.0, trial_s: float = 0.0, sampler: Any = None) -> Trials:
     """n x n times n x n products at ``dtype`` (``torch.bfloat16``'s name, ...): TFLOP/s.
 
+    Measured as a hand-written loop does its work (``torch.matmul(a, b)``, the result a new tensor
+    from the caching allocator), after ``warmup`` products and ``warmup_s`` seconds of them (warm
+    clocks). Each trial repeats ``repeat`` products, or as many as take ``trial_s`` (timed once,
+    warm) when ``repeat`` is None. ``sampler`` (a ``GpuSampler``): entered around the timed trials.
     fp32 stays true fp32 (torch's default: TF32 off), to compare with the fp32 datasheet figure.
     """
     import torch
 
     a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
     b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
-    out = torch.empty(n, n, device=device, dtype=a.dtype)
-    ms = time_ms(device, lambda: torch.matmul(a, b, out=out), warmup=warmup, trials=trials, repeat=repeat)
-    return rate(ms, 2.0 * n**3 / 1e12, "TFLOP/s")
+
+    def product() -> Any:
+        return torch.matmul(a, b)
+
+    warm_up(device, product, warmup_s, at_least=max(1, warmup))
+    if repeat is None:
+        (one,) = time_ms(device, product, warmup=0, trials=1, repeat=2)
+        repeat = max(1, round(trial_s * 1e3 / max(one, 1e-3)))
+    with sampler if sampler is not None else contextlib.nullcontext():
+        ms = time_ms(device, product, warmup=0, trials=trials, repeat=repeat)
+    return rate(ms, 2.0 * n**3 / 1e12, "TFLOP/s", repeat)
+
+
+def hand_loop_tflops(device: Any, dtype: str, n: int, *, iters: int, warmup: int = 3) -> Trials:
+    """The matmul loop people write by hand (``benchmarks/hand_matmul.py``'s): ``warmup`` products,
+    then ``iters`` of them with the host clock around the loop and the device drained before and
+    after. One figure, no trials: the reference the selftest's own figure is set beside."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    for _ in range(warmup):
+        torch.matmul(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        torch.matmul(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    tflops = 2.0 * n**3 * iters / seconds / 1e12
+    return Trials(tflops, tflops, tflops, 1, "TFLOP/s", iters, round(seconds, 4))
 
 
 def copy_gbs(device: Any, direction: str, *, pinned: bool, mb: int, trials: int, warmup: int = 2) -> Trials:

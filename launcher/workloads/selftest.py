@@ -23,23 +23,27 @@ limits.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 from launcher.workloads import probes
+from launcher.workloads.measure import clocks_dict, gpu_sampler
 from launcher.workloads.params import WorkloadParams
 from launcher.workloads.selftest_report import plot, summarize  # noqa: F401 - the job's hooks
 
 LevelName = Literal["quick", "default", "full"]
+T = TypeVar("T")
 
 
 class Params(WorkloadParams):
     level: LevelName = "default"  # quick ~30 s, default ~2 min, full < 8 min on an 8-GPU node
     slow_ms: float = 20.0  # how much slower the last rank's own work is made, per step
     straggler_s: float | None = None  # how long the straggler phase runs (default: the level's)
+    hand_loop: bool | None = None  # also time a hand-written matmul loop beside the figure (default: the level's; full: on)
 
 
 @dataclass(frozen=True)
@@ -54,13 +58,20 @@ class Level:
     cpu_allreduce_mb: tuple[float, ...]
     sync_steps: int
     straggler_s: float
+    warmup_s: float = 1.0  # GPU matmul: seconds of products before the first size (clocks settle in time, not in count)
+    trial_s: float = 0.1  # GPU matmul: one trial's duration (the products it repeats)
+    matmul_trials: int = 10  # GPU matmul: timed trials per size (at least; the level's trials where more)
+    hand_loop: bool = False  # GPU matmul: a hand-written loop right after each size, same products (the reference)
 
 
 LEVELS: dict[str, Level] = {
-    "quick": Level((8192,), 512, 5, 64, (64.0,), (4.0,), 50, 4.0),
-    "default": Level((8192,), 1024, 10, 256, (1.0, 16.0, 256.0), (1.0, 16.0), 200, 5.0),
-    "full": Level((4096, 8192, 16384), 1024, 20, 1024, (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0), (1.0, 16.0, 64.0), 500, 6.0),
+    "quick": Level((8192,), 512, 5, 64, (64.0,), (4.0,), 50, 4.0, warmup_s=1.0),
+    "default": Level((8192,), 1024, 10, 256, (1.0, 16.0, 256.0), (1.0, 16.0), 200, 5.0, warmup_s=2.0, matmul_trials=15),
+    "full": Level((4096, 8192, 16384), 1024, 20, 1024, (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0), (1.0, 16.0, 64.0), 500, 6.0,
+                  warmup_s=2.0, matmul_trials=20, hand_loop=True),
 }
+# a later size of a sweep starts on a warm GPU: a shorter warm-up settles the new size
+LATER_WARMUP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,12 @@ class Figure:
     high: float
     unit: str
     detail: str  # how it was measured, in a few words
+    # the GPU's clocks, power and clock-event reasons over the figure's run (NvmlClocks' dict; None: not sampled)
+    clocks: dict[str, Any] | None = None
+    # the same measurement by a hand-written loop, right after (matmul): value, ratio, iters, seconds
+    reference: dict[str, Any] | None = None
+    backend: str | None = None  # a collective's process group backend ("nccl", "gloo")
+    shared: bool = False  # measured on a GPU other ranks of the node share (resources.ranks_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -102,11 +119,11 @@ def run(ctx: Any) -> dict[str, Any]:
         out["node"] = node_facts(ctx)
         if out["node"]["inventory"] is None:
             not_run.append(NotRun("GPU inventory and health (NVML)", ctx.host, "no NVIDIA driver"))
-    figures += matmul_figures(ctx, level, quiet, not_run)
+    figures += matmul_figures(ctx, level, quiet, not_run, hand=level.hand_loop if p.hand_loop is None else p.hand_loop)
     figures += copy_figures(ctx, level, quiet, not_run)
     figures += allreduce_figures(ctx, level, not_run)
     out["sync_check"] = sync_check(ctx, level, not_run)
-    out["straggler"] = straggler_phase(ctx, p, level, not_run)
+    out["straggler"] = straggler_phase(ctx, p, level, not_run, quiet)
     out["figures"] = [asdict(f) for f in figures]
     out["not_run"] = [asdict(n) for n in not_run if n.host != "*" or ctx.rank == 0]  # the group's: said once
     return out
@@ -121,9 +138,11 @@ def placement(ctx: Any) -> dict[str, Any]:
     import torch
 
     probe = torch.ones(1, device=ctx.device)
+    share = sharing(ctx)
     facts: dict[str, Any] = {
         "device": str(ctx.device),
-        "expected": f"cuda:{ctx.local_rank}" if ctx.device.type == "cuda" else "cpu",
+        "expected": f"cuda:{ctx.local_rank // share}" if ctx.device.type == "cuda" else "cpu",
+        "ranks_per_gpu": share,
         "tensor_device": str(probe.device),
         "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "device_order": os.environ.get("CUDA_DEVICE_ORDER"),
@@ -160,6 +179,7 @@ def node_facts(ctx: Any) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "cpus": usable_cpu_count(),
         "ranks": ctx.local_world_size,
+        "ranks_per_gpu": sharing(ctx),
         "versions": versions,
         "inventory": None if inventory is None else inventory.to_dict(),
         "nvml": "read" if inventory is not None else "NVML did not start: no NVIDIA driver on this host",
@@ -169,10 +189,38 @@ def node_facts(ctx: Any) -> dict[str, Any]:
 # --- throughput ------------------------------------------------------------------------------------
 
 
-def matmul_figures(ctx: Any, level: Level, quiet: Any, not_run: list[NotRun]) -> list[Figure]:
-    """Every rank at once (each on its own GPU; on the CPU, one thread each), lined up before
-    each size. A GPU trial is about 10 TFLOP (a few ms at the peak): long enough for its events,
-    short enough for 10-20 trials; the warm-up is one trial's worth, to bring the clocks up."""
+def sharing(ctx: Any) -> int:
+    """How many ranks of the node compute on this rank's GPU (1: a GPU of its own; always 1 on the CPU)."""
+    return max(1, int(getattr(ctx, "ranks_per_gpu", 1) or 1)) if ctx.device.type == "cuda" else 1
+
+
+def in_turns(ctx: Any, quiet: Any, measure: Callable[[], T]) -> T | None:
+    """``measure`` on every rank: at once where each rank has a GPU of its own, in turns where ranks
+    share one (each then alone on it: its figure is the GPU's, not a share of it). Ranks wait their
+    turn in a host barrier."""
+    import torch.distributed as dist
+
+    share = sharing(ctx)
+    got: T | None = None
+    for turn in range(share):
+        if ctx.local_rank % share == turn:
+            got = measure()
+        if share > 1:
+            dist.barrier(group=quiet)
+    return got
+
+
+def matmul_figures(ctx: Any, level: Level, quiet: Any, not_run: list[NotRun], *, hand: bool = False) -> list[Figure]:
+    """Every rank at once (each on its own GPU; in turns where ranks share one; on the CPU, one
+    thread each), lined up before each size.
+
+    On a GPU it measures as a hand-written loop does, long enough for the clocks the card holds
+    under sustained load: ``warmup_s`` seconds of products first (a count of products would be
+    gone in milliseconds, on boost clocks the power cap then takes back), then trials of
+    ``trial_s`` each (the products a trial repeats), the median of ``matmul_trials`` the figure;
+    the best size's median is the figure. NVML samples the GPU over the timed trials. With
+    ``hand``: a hand-written loop (host clock around the same number of products) right after
+    each size, recorded beside the figure with the ratio."""
     import torch
     import torch.distributed as dist
 
@@ -180,20 +228,41 @@ def matmul_figures(ctx: Any, level: Level, quiet: Any, not_run: list[NotRun]) ->
     if not gpu:
         torch.set_num_threads(1)  # like for like with any other CPU figure of this project
         not_run.append(NotRun("matmul bf16 and fp32 vs the datasheet", "*", "no GPU"))
+    shared = sharing(ctx) > 1
+
+    def sweep(dtype: str) -> Figure:
+        best: tuple[probes.Trials, int, dict[str, Any] | None, probes.Trials | None] | None = None
+        for i, n in enumerate(level.matmul_n if gpu else (level.cpu_matmul_n,)):
+            if not shared:
+                dist.barrier(group=quiet)
+            if gpu:
+                sampler = gpu_sampler(ctx.device)
+                got = probes.matmul_tflops(ctx.device, dtype, n, trials=max(level.matmul_trials, level.trials), warmup=3,
+                                           warmup_s=level.warmup_s if i == 0 else LATER_WARMUP_S, trial_s=level.trial_s, sampler=sampler)
+                clocks = clocks_dict(sampler)
+                ref = probes.hand_loop_tflops(ctx.device, dtype, n, iters=got.per_trial * got.trials) if hand else None
+            else:
+                got, clocks, ref = probes.matmul_tflops(ctx.device, dtype, n, repeat=3, trials=level.trials, warmup=3), None, None
+            if best is None or got.median > best[0].median:
+                best = (got, n, clocks, ref)
+        assert best is not None
+        got, n, clocks, ref = best
+        check = "matmul_bf16" if dtype == "bfloat16" else "matmul_fp32"
+        detail = f"n={n}, median of {got.trials} trials"
+        if gpu:
+            warm = level.warmup_s if n == (level.matmul_n[0]) else LATER_WARMUP_S
+            detail += f" of {got.per_trial} products ({got.seconds:.2g} s timed, after {warm:g} s of warm-up)"
+        reference = None if ref is None else {
+            "what": "hand loop", "value": ref.median, "ratio": got.median / ref.median if ref.median else None,
+            "iters": ref.per_trial, "seconds": ref.seconds, "figure_seconds": got.seconds, "n": n}
+        return Figure(check, ctx.rank, ctx.host, str(ctx.device), got.median, got.low, got.high, got.unit, detail,
+                      clocks=clocks, reference=reference, shared=shared)
+
     figures = []
     for dtype in ("bfloat16", "float32") if gpu else ("float32",):
-        best: probes.Trials | None = None
-        best_n = 0
-        for n in level.matmul_n if gpu else (level.cpu_matmul_n,):
-            dist.barrier(group=quiet)
-            repeat = max(3, int(1e13 / (2 * n**3))) if gpu else 3
-            got = probes.matmul_tflops(ctx.device, dtype, n, repeat=repeat, trials=level.trials, warmup=repeat)
-            if best is None or got.median > best.median:
-                best, best_n = got, n
-        assert best is not None
-        check = "matmul_bf16" if dtype == "bfloat16" else "matmul_fp32"
-        figures.append(Figure(check, ctx.rank, ctx.host, str(ctx.device), best.median, best.low, best.high, best.unit,
-                              f"n={best_n}, median of {best.trials} trials"))
+        got = in_turns(ctx, quiet, functools.partial(sweep, dtype))
+        assert got is not None
+        figures.append(got)
     return figures
 
 
@@ -212,16 +281,20 @@ def copy_figures(ctx: Any, level: Level, quiet: Any, not_run: list[NotRun]) -> l
         not_run.append(NotRun("host<->GPU copies vs PCIe", "*", "no GPU"))
         not_run.append(NotRun("GPU->GPU peer copy", "*", "no GPU"))
     elif ctx.local_rank == 0 and torch.cuda.device_count() < 2:
-        not_run.append(NotRun("GPU->GPU peer copy", ctx.host, "one GPU on the node"))
+        why = "ranks share one GPU" if sharing(ctx) > 1 else "one GPU on the node"
+        not_run.append(NotRun("GPU->GPU peer copy", ctx.host, why))
     elif ctx.local_rank == 0:
+        sampler = gpu_sampler(ctx.device)
         try:
-            got = probes.peer_copy_gbs(torch.device("cuda:0"), torch.device("cuda:1"), mb=level.copy_mb, trials=level.trials)
+            with sampler:
+                got = probes.peer_copy_gbs(torch.device("cuda:0"), torch.device("cuda:1"), mb=level.copy_mb, trials=level.trials)
         except RuntimeError as exc:  # GPU 1 in exclusive-process mode belongs to rank 1's context
             not_run.append(NotRun("GPU->GPU peer copy", ctx.host, str(exc).splitlines()[0]))
         else:
             access = torch.cuda.can_device_access_peer(0, 1)
             figures.append(Figure("peer_copy", ctx.rank, ctx.host, "cuda:0->cuda:1", got.median, got.low, got.high, got.unit,
-                                  f"{level.copy_mb} MiB, peer access {'on' if access else 'off (through the host)'}"))
+                                  f"{level.copy_mb} MiB, peer access {'on' if access else 'off (through the host)'}",
+                                  clocks=clocks_dict(sampler)))
     dist.barrier(group=quiet)
     return figures
 
@@ -230,10 +303,12 @@ def _own_copies(ctx: Any, level: Level) -> list[Figure]:
     figures = []
     for direction in ("h2d", "d2h"):
         for pinned in (False, True):
-            got = probes.copy_gbs(ctx.device, direction, pinned=pinned, mb=level.copy_mb, trials=level.trials)
+            sampler = gpu_sampler(ctx.device)
+            with sampler:
+                got = probes.copy_gbs(ctx.device, direction, pinned=pinned, mb=level.copy_mb, trials=level.trials)
             kind = "pinned" if pinned else "pageable"
             figures.append(Figure(f"{direction}_{kind}", ctx.rank, ctx.host, str(ctx.device), got.median, got.low, got.high, got.unit,
-                                  f"{level.copy_mb} MiB {kind}"))
+                                  f"{level.copy_mb} MiB {kind}", clocks=clocks_dict(sampler), shared=sharing(ctx) > 1))
     return figures
 
 
@@ -269,14 +344,20 @@ def allreduce_figures(ctx: Any, level: Level, not_run: list[NotRun]) -> list[Fig
 def _allreduce(ctx: Any, check: str, sizes: list[float], trials: int, group: Any, keep: bool) -> list[Figure]:
     import torch.distributed as dist
 
-    sweep = probes.allreduce_sweep(ctx.device, sizes, trials=trials, group=group)
+    sampler = gpu_sampler(ctx.device)
+    with sampler:
+        sweep = probes.allreduce_sweep(ctx.device, sizes, trials=trials, group=group)
     if not keep:
         return []
     top = max(sweep, key=lambda s: s.busbw_gbs)
     ranks = dist.get_world_size(group)
     table = ", ".join(f"{s.bytes / 2**20:g} MiB: {s.busbw_gbs:.3g}" for s in sweep)
+    shared = sharing(ctx) > 1
+    over = f"{ctx.pg_backend} over CUDA tensors" if ctx.device.type == "cuda" and ctx.pg_backend == "gloo" else ctx.pg_backend
+    why = f" ({sharing(ctx)} ranks share each GPU: NCCL refuses two ranks on one GPU)" if shared else ""
     return [Figure(check, ctx.rank, ctx.host if check == "allreduce_node" else "", "", top.busbw_gbs, min(s.busbw_gbs for s in sweep), top.busbw_gbs,
-                   "GB/s", f"{ctx.pg_backend} busbw over {ranks} ranks; by size: {table}")]
+                   "GB/s", f"{over} busbw over {ranks} ranks{why}; by size: {table}", clocks=clocks_dict(sampler),
+                   backend=ctx.pg_backend, shared=shared)]
 
 
 # --- the launcher's own promises ---------------------------------------------------------------------
@@ -291,7 +372,7 @@ def sync_check(ctx: Any, level: Level, not_run: list[NotRun]) -> dict[str, Any]:
     return {**asdict(got), "clean": got.clean, "cuda": ctx.device.type == "cuda"}
 
 
-def straggler_phase(ctx: Any, p: Params, level: Level, not_run: list[NotRun]) -> dict[str, Any]:
+def straggler_phase(ctx: Any, p: Params, level: Level, not_run: list[NotRun], host_barrier: Any = None) -> dict[str, Any]:
     """Steps of own work (``ctx.metrics.work()``) then a small all-reduce; the last rank's own work
     is ``slow_ms`` longer. On a GPU the work is device time (``torch.cuda._sleep``), so only the
     CUDA-event marks can see it; the host waits for each step at its end (outside the marks), as
@@ -307,7 +388,8 @@ def straggler_phase(ctx: Any, p: Params, level: Level, not_run: list[NotRun]) ->
     own_ms = base_ms + (p.slow_ms if ctx.rank == slow_rank else 0.0)
     duration = p.straggler_s or level.straggler_s
     steps = max(30, int(duration * 1e3 / (base_ms + p.slow_ms)))  # every rank computes the same count
-    cycles = probes.gpu_sleep_cycles_per_ms(ctx.device) if gpu else 0.0
+    # ranks that share a GPU time its sleep cycles in turns: at once, the GPU's time slices would halve it
+    cycles = (in_turns(ctx, host_barrier, lambda: probes.gpu_sleep_cycles_per_ms(ctx.device)) or 0.0) if gpu else 0.0
     flag = torch.zeros(1, device=ctx.device)
     for _ in range(steps):
         with ctx.metrics.work():
@@ -321,5 +403,7 @@ def straggler_phase(ctx: Any, p: Params, level: Level, not_run: list[NotRun]) ->
             torch.cuda.current_stream().synchronize()
     if not gpu:
         not_run.append(NotRun("straggler marks on CUDA events (host clock used)", "*", "no GPU"))
-    return {"slow_rank": slow_rank, "slow_ms": p.slow_ms, "base_ms": base_ms, "steps": steps,
-            "marks": "cuda events" if gpu else "host clock"}
+    marks = "cuda events" if gpu else "host clock"
+    if sharing(ctx) > 1:
+        marks += f", {sharing(ctx)} ranks per GPU"
+    return {"slow_rank": slow_rank, "slow_ms": p.slow_ms, "base_ms": base_ms, "steps": steps, "marks": marks}

@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from launcher.hardware import gpu_peaks, nvlink_limit_gbs, pcie_limit_gbs
-from launcher.runtime.nvml import GpuReading, NvmlInventory, health_problems, visible_gpus
+from launcher.runtime.nvml import GpuClocks, GpuReading, NvmlInventory, health_problems, visible_gpus
 from launcher.workloads.stats import num
 
 # The fraction of its limit a figure of a healthy node reaches (public measurements: 70-80% of the
 # dense bf16 peak for large square products on H100 SXM, 85-90% of PCIe for pinned copies, 70-80%
 # of NVLink for NCCL's all-reduce bus bandwidth where NVLink joins every pair). Below it the figure
 # is flagged "LOW". An all-reduce over GPUs that NVLink does not join all to all is shown against
-# its link, not judged: the host's path (PCIe switches, the CPUs' link) sets its pace.
+# its link, not judged: the host's path (PCIe switches, the CPUs' link) sets its pace. Nor is one
+# over gloo on CUDA tensors (ranks sharing a GPU): it goes through host memory, not NVLink.
 EXPECTED: dict[str, float] = {
     "matmul_bf16": 0.70,
     "matmul_fp32": 0.60,
@@ -34,7 +35,9 @@ EXPECTED: dict[str, float] = {
 
 LABELS: dict[str, str] = {
     "matmul_bf16": "matmul bf16",
+    "matmul_bf16_hand": "matmul bf16, hand loop",
     "matmul_fp32": "matmul fp32",
+    "matmul_fp32_hand": "matmul fp32, hand loop",
     "h2d_pageable": "host->GPU pageable",
     "h2d_pinned": "host->GPU pinned",
     "d2h_pageable": "GPU->host pageable",
@@ -69,6 +72,9 @@ class Row:
     fraction: float | None
     verdict: str  # "ok", "LOW", or "-" (nothing to judge it by)
     detail: str
+    clocks: dict[str, Any] | None = None  # the GPU's clocks, power and clock-event reasons over the run (GpuClocks)
+    why: str | None = None  # what the clocks say slowed it ("power cap: 700 W reached in 80% of samples, ...")
+    reference: dict[str, Any] | None = None  # a hand loop's figure right after, with the ratio (matmul)
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,8 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     ranks = [r for s in stages for r in s["ranks"] if r.get("status") == "ok" and r.get("result")]
     nodes = {r["host"]: r["result"]["node"] for r in ranks if r["result"].get("node")}
     inventories = {h: NvmlInventory.from_dict(n["inventory"]) for h, n in nodes.items() if n.get("inventory")}
-    rows = sorted((figure_row(f, ranks, inventories) for r in ranks for f in r["result"]["figures"]), key=_row_order)
+    rows = [figure_row(f, ranks, inventories) for r in ranks for f in r["result"]["figures"]]
+    rows = sorted(rows + [hand_row(r) for r in rows if r.reference], key=_row_order)
     checks = placement_checks(ranks, inventories) + health_checks(ranks, inventories)
     checks += sync_checks(ranks) + straggler_checks(stages, ranks)
     not_run = [n for r in ranks for n in r["result"].get("not_run", ())]
@@ -120,12 +127,26 @@ def figure_row(figure: Mapping[str, Any], ranks: list[dict[str, Any]], inventori
     partner = granted_gpu(measured_on["host"], "cuda:1", ranks, inventories) if check == "peer_copy" and measured_on else None
     limit = limit_for(check, gpu, inventories.get(host), partner) if gpu is not None else None
     fraction = figure["value"] / limit.value if limit else None
+    if check.startswith("allreduce") and figure.get("backend") == "gloo":  # host memory's pace, not a link's
+        limit = fraction = None
     expected = EXPECTED.get(check)
     if check == "allreduce_node" and not _nvlinked_all_to_all(inventories.get(host)):
         expected = None
     verdict = "-" if fraction is None or expected is None else ("ok" if fraction >= expected else "LOW")
+    clocks = GpuClocks.from_dict(figure.get("clocks"))
     return Row(host or "all", figure["rank"], device or "-", check, figure["value"], figure["unit"], limit.value if limit else None,
-               limit.source if limit else None, limit.reference if limit else None, fraction, verdict, figure["detail"])
+               limit.source if limit else None, limit.reference if limit else None, fraction, verdict, figure["detail"],
+               clocks=figure.get("clocks"), why=clocks.why() if clocks else None, reference=figure.get("reference"))
+
+
+def hand_row(row: Row) -> Row:
+    """The hand loop's figure beside a matmul figure: shown against the same limit, not judged."""
+    ref = row.reference or {}
+    value = float(ref.get("value") or 0.0)
+    fraction = value / row.limit if row.limit else None
+    detail = f"n={ref.get('n')}, {ref.get('iters')} products, host clock around the loop ({float(ref.get('seconds') or 0):.2g} s), right after"
+    return Row(row.host, row.rank, row.device, f"{row.check}_hand", value, row.unit, row.limit, row.limit_source, row.limit_reference,
+               fraction, "-", detail)
 
 
 def granted_gpu(host: str, device: str, ranks: list[dict[str, Any]], inventories: Mapping[str, NvmlInventory]) -> GpuReading | None:
@@ -209,13 +230,33 @@ def placement_checks(ranks: list[dict[str, Any]], inventories: Mapping[str, Nvml
                                 f"{where} is {p['uuid']}, but its grant is {gpu.uuid} (GPU {gpu.index}): set CUDA_DEVICE_ORDER=PCI_BUS_ID"))
         else:
             checks.append(Check("placement", r["host"], True, f"{where} is {gpu.uuid} (NVML GPU {gpu.index}), as granted"))
-    by_host: dict[str, list[str]] = {}
-    for r in ranks:
+    checks += sharing_checks(ranks)
+    return checks
+
+
+def sharing_checks(ranks: list[dict[str, Any]]) -> list[Check]:
+    """No GPU shared by more ranks than ``ranks_per_gpu`` asked for (1 unless the spec says so)."""
+    by_gpu: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in sorted(ranks, key=lambda r: r["rank"]):
         if uuid := r["result"]["placement"].get("uuid"):
-            by_host.setdefault(r["host"], []).append(uuid)
-    for host, uuids in by_host.items():
-        if len(set(uuids)) < len(uuids):
-            checks.append(Check("placement", host, False, f"{len(uuids)} ranks share {len(set(uuids))} GPU(s)"))
+            by_gpu.setdefault((r["host"], uuid), []).append(r)
+    shared = {key: rs for key, rs in by_gpu.items() if len(rs) > 1}
+    if not shared:
+        return []
+    unintended = {key: rs for key, rs in shared.items() if any(len(rs) > int(r["result"]["placement"].get("ranks_per_gpu") or 1) for r in rs)}
+    checks = []
+    for host in sorted({h for h, _ in unintended}):
+        mine = [rs for (h, _), rs in unintended.items() if h == host]
+        sharing = sum(len(rs) for rs in mine)
+        said = "; ".join(f"ranks {', '.join(str(r['rank']) for r in rs)} on {rs[0]['result']['placement']['uuid']}" for rs in mine)
+        asked = max(int(r["result"]["placement"].get("ranks_per_gpu") or 1) for rs in mine for r in rs)
+        checks.append(Check("placement", host, False, f"{sharing} ranks share {len(mine)} GPU(s) ({said}), "
+                                                      f"but ranks_per_gpu is {asked}"))
+    for (host, uuid), rs in shared.items():
+        if (host, uuid) not in unintended:
+            k = int(rs[0]["result"]["placement"].get("ranks_per_gpu") or 1)
+            checks.append(Check("placement", host, True, f"ranks {', '.join(str(r['rank']) for r in rs)} share {uuid}, "
+                                                         f"as ranks_per_gpu={k} asks (process group over gloo)"))
     return checks
 
 
@@ -268,7 +309,12 @@ def conclusions(rows: list[Row], checks: list[Check], not_run: list[Mapping[str,
     for r in rows:
         if r.verdict == "LOW":
             out.append(f"LOW: {LABELS.get(r.check, r.check)} on {r.host} {r.device}: {_figure(r.value, r.unit)} is "
-                       f"{r.fraction:.0%} of {r.limit_reference}: {_figure(r.limit or 0, r.unit)} (a healthy node reaches {EXPECTED[r.check]:.0%})")
+                       f"{r.fraction:.0%} of {r.limit_reference}: {_figure(r.limit or 0, r.unit)} (a healthy node reaches {EXPECTED[r.check]:.0%})"
+                       + (f"; the GPU's clocks say why: {r.why}" if r.why else ""))
+        elif r.why:
+            out.append(f"{LABELS.get(r.check, r.check)} on {r.host} {r.device} ({_figure(r.value, r.unit)}) ran slowed: {r.why}")
+        if r.reference:
+            out.append(hand_words(r))
     passed_checks = [c for c in CHECK_LABELS if c in {k.check for k in checks if k.passed} - {k.check for k in checks if not k.passed}]
     if passed_checks:
         out.append("passed: " + ", ".join(CHECK_LABELS[c] for c in passed_checks))
@@ -279,6 +325,23 @@ def conclusions(rows: list[Row], checks: list[Check], not_run: list[Mapping[str,
         out.append(f"not run ({why}): {', '.join(parts)}")
     out.append("SELFTEST PASSED" if passed else "SELFTEST FAILED: see the lines above")
     return out
+
+
+# A matmul figure and a hand loop right after at the same size agree within this (the issue's bar).
+HAND_AGREES = 0.03
+
+
+def hand_words(r: Row) -> str:
+    """A matmul figure beside its hand loop: "matmul bf16 on node-a cuda:0: 781 TFLOP/s, 0.994 of a
+    hand loop's 786 TFLOP/s right after (n=8192, 1.6 s each): within 3%"."""
+    ref = r.reference or {}
+    value, ratio = float(ref.get("value") or 0.0), ref.get("ratio")
+    seconds = f"{float(ref.get('figure_seconds') or 0):.2g} s timed vs the loop's {float(ref.get('seconds') or 0):.2g} s"
+    said = (f"{LABELS.get(r.check, r.check)} on {r.host} {r.device}: {_figure(r.value, r.unit)}, "
+            f"{'?' if ratio is None else f'{ratio:.3f}'} of a hand loop's {_figure(value, r.unit)} right after (n={ref.get('n')}, {seconds})")
+    if ratio is None:
+        return said
+    return said + (f": within {HAND_AGREES:.0%}" if abs(ratio - 1) <= HAND_AGREES else f": NOT within {HAND_AGREES:.0%}")
 
 
 CHECK_LABELS = {
@@ -297,11 +360,13 @@ def _row_order(r: Row) -> tuple[int, str, int]:
 
 def table_columns(rows: list[Row]) -> list[str]:
     """The table's columns, without those no row fills (a CPU-only run has no limits to show)."""
-    columns = ["host", "rank", "device", "check", "figure", "limit", "of_limit", "verdict"]
+    columns = ["host", "rank", "device", "check", "figure", "limit", "of_limit", "verdict", "gpu_clocks"]
     if len({r.host for r in rows}) <= 1:
         columns.remove("host")
     if all(r.limit is None for r in rows):
         columns = [c for c in columns if c not in ("limit", "of_limit", "verdict")]
+    if all(r.clocks is None for r in rows):
+        columns.remove("gpu_clocks")
     return columns
 
 
@@ -315,7 +380,28 @@ def _table_row(r: Row) -> dict[str, Any]:
         "limit": "-" if r.limit is None else f"{num(r.limit)} {r.limit_source}",
         "of_limit": "-" if r.fraction is None else f"{r.fraction:.0%}",
         "verdict": r.verdict,
+        "gpu_clocks": _clocks_cell(r.clocks),
     }
+
+
+def _clocks_cell(clocks: Mapping[str, Any] | None) -> str:
+    """The table's short view of a figure's GPU clocks: "1590-1980 MHz, 700/700 W, power cap 80%"."""
+    c = GpuClocks.from_dict(clocks)
+    if c is None:
+        return "-"
+    parts = []
+    if c.sm_mhz_min is not None and c.sm_mhz_max is not None:
+        parts.append(f"{c.sm_mhz_min} MHz" if c.sm_mhz_min == c.sm_mhz_max else f"{c.sm_mhz_min}-{c.sm_mhz_max} MHz")
+    if c.power_w_max is not None:
+        parts.append(f"{c.power_w_max:.0f}/{c.power_limit_w:.0f} W" if c.power_limit_w else f"{c.power_w_max:.0f} W")
+    if c.temperature_c_max is not None:
+        parts.append(f"{c.temperature_c_max} C")
+    parts += [f"{_REASON_SHORT.get(k, k)} {v:.0%}" for k, v in sorted(c.reasons.items(), key=lambda kv: -kv[1]) if v > 0]
+    return ", ".join(parts) or "-"
+
+
+_REASON_SHORT = {"sw_power_cap": "power cap", "hw_slowdown": "HW slowdown", "sw_thermal": "thermal", "hw_thermal": "HW thermal",
+                 "hw_power_brake": "power brake"}
 
 
 def _figure(value: float, unit: str) -> str:

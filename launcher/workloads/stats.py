@@ -124,3 +124,25 @@ def pct(value: float | None) -> str:
 
 def ok_ranks(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for s in stages if s["status"] == "succeeded" for r in s["ranks"] if r.get("status") == "ok"]
+
+
+def times(ratio: float | None, more: str = "faster", less: str = "slower", digits: int = 1) -> str:
+    """A ratio in words that never reads "0.3x faster": ``times(3.3)`` "3.3x faster", ``times(0.3)``
+    "3.3x slower" (the inverse, with the other word). ``more``/``less``: the words for a ratio
+    above/below 1 (a ratio of times: ``more="slower", less="faster"``)."""
+    if ratio is None or not math.isfinite(ratio) or ratio <= 0:
+        return "?"
+    return f"{ratio:.{digits}f}x {more}" if ratio >= 1 else f"{1 / ratio:.{digits}f}x {less}"
+
+
+def times_range(lo: float | None, hi: float | None, more: str = "faster", less: str = "slower", digits: int = 1) -> str:
+    """A range of ratios in the same words: "1.2-1.6x faster", "2.5-5.0x slower", or, across 1,
+    "2.0x slower to 1.3x faster"."""
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi <= 0:
+        return "?"
+    lo, hi = min(lo, hi), max(lo, hi)
+    if lo >= 1:
+        return f"{lo:.{digits}f}-{hi:.{digits}f}x {more}"
+    if hi < 1:
+        return f"{1 / hi:.{digits}f}-{1 / lo:.{digits}f}x {less}"
+    return f"{1 / lo:.{digits}f}x {less} to {hi:.{digits}f}x {more}"

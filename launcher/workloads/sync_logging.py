@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 from launcher.workloads.measure import machine_state, torch_dtype, wall_clock
 from launcher.workloads.params import Count, DtypeName, NonNegative, WorkloadParams
 from launcher.workloads.plotting import devices_label, save_figure, yerr
-from launcher.workloads.stats import flags_for, ok_ranks, rnd, span, stat
+from launcher.workloads.stats import flags_for, ok_ranks, rnd, span, stat, times, times_range
 from launcher.workloads.synccount import SyncCounter
 
 
@@ -218,10 +218,11 @@ def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, per_rank: list[dict[
                 f"(medians of {item['trials']} trials over {len(per_rank)} rank(s), {steps} steps)")
     doubts = [f"{r['variant']}: {r['note']}" for r in (item, device) if r["flags"]]
     if doubts:
-        out = [f"{measured}: ratio {item['ratio']:.2f}x (range {item['ratio_min']:.2f}-{item['ratio_max']:.2f}) not "
+        out = [f"{measured}: .item() {_slower(item['ratio'])} (range {_slower_range(item)}) not "
                f"conclusive ({'; '.join(doubts)}); rerun on a quieter machine or with more repeats"]
     else:
-        out = [f"{measured}: {item['ratio']:.2f}x (range {item['ratio_min']:.2f}-{item['ratio_max']:.2f})"]
+        out = [f"{measured}: .item() every step is {_slower(item['ratio'])} than the on-device log "
+               f"(range {_slower_range(item)})"]
     if on_cuda:
         out.append(
             f"host synchronisations reported by torch.cuda.set_sync_debug_mode: {item['syncs_loop']} in the "
@@ -239,6 +240,15 @@ def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, per_rank: list[dict[
         "all three logs hold the same norms" if all(e["logs_agree"] for e in per_rank) else "WARNING: the three logs disagree"
     )
     return out
+
+
+def _slower(ratio: float | None) -> str:
+    """A ratio of wall times in words: 3.2 -> "3.20x slower", 0.8 -> "1.25x faster"."""
+    return times(ratio, more="slower", less="faster", digits=2)
+
+
+def _slower_range(row: Mapping[str, Any]) -> str:
+    return times_range(row["ratio_min"], row["ratio_max"], more="slower", less="faster", digits=2)
 
 
 def plot(result: Mapping[str, Any], run_dir: Path) -> list[Path]:

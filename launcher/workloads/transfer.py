@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 from launcher.workloads.measure import host_barrier_group, machine_state, trial_loop, wall_clock
 from launcher.workloads.params import Count, NonNegative, PositiveSizes, WorkloadParams
 from launcher.workloads.plotting import devices_label, legend_below, save_figure, values, yerr
-from launcher.workloads.stats import flags_for, ok_ranks, rnd, span, stat
+from launcher.workloads.stats import flags_for, ok_ranks, rnd, span, stat, times
 
 
 class Params(WorkloadParams):
@@ -104,15 +104,19 @@ def run(ctx: Any) -> dict[str, Any]:
                     measure(f"d2d/peer/{mb:g}", partial(_to_second_gpu, torch, src), events=False)
                     out["measured"].append(f"d2d/peer/{mb:g}")
         dist.barrier(group=quiet)
+    # gloo sends host memory only (send/recv of a CUDA tensor is NCCL's): with ranks sharing a GPU the
+    # ping-pong stages each buffer through the host, and says so
+    staged = dev.type == "cuda" and ctx.pg_backend == "gloo"
+    out["pingpong_staged"] = staged
     if ctx.world_size >= 2 and ctx.rank in (0, 1):
         for mb in sizes:
             buf = torch.randn(_numel(mb), device=dev)
             if ctx.rank == 0:
-                measure(f"pg/pingpong/{mb:g}", partial(_ping, dist, buf), events=False)
+                measure(f"pg/pingpong/{mb:g}", partial(_ping, dist, buf, staged), events=False)
                 out["measured"].append(f"pg/pingpong/{mb:g}")
             else:
                 for _ in range(warmup + repeats):
-                    _pong(dist, buf)
+                    _pong(dist, buf, staged)
     if ctx.world_size >= 2:
         dist.barrier()
     out["pg_backend"] = ctx.pg_backend
@@ -126,20 +130,33 @@ def _to_second_gpu(torch: Any, src: Any) -> None:
     torch.cuda.synchronize("cuda:1")
 
 
-def _ping(dist: Any, buf: Any) -> None:
-    dist.send(buf, 1)
-    dist.recv(buf, 1)
+def _ping(dist: Any, buf: Any, staged: bool = False) -> None:
+    _send(dist, buf, 1, staged)
+    _recv(dist, buf, 1, staged)
 
 
-def _pong(dist: Any, buf: Any) -> None:
-    dist.recv(buf, 0)
-    dist.send(buf, 0)
+def _pong(dist: Any, buf: Any, staged: bool = False) -> None:
+    _recv(dist, buf, 0, staged)
+    _send(dist, buf, 0, staged)
+
+
+def _send(dist: Any, buf: Any, peer: int, staged: bool) -> None:
+    dist.send(buf.cpu() if staged else buf, peer)
+
+
+def _recv(dist: Any, buf: Any, peer: int, staged: bool) -> None:
+    if not staged:
+        dist.recv(buf, peer)
+        return
+    host = buf.new_empty(buf.shape, device="cpu")
+    dist.recv(host, peer)
+    buf.copy_(host)
 
 
 def _identity_checks(torch: Any, ctx: Any) -> dict[str, bool]:
     """d2l: ``Z.cuda(1) is Z``: moving a tensor to the device it is on returns it, uncopied."""
     z = torch.ones(2, 3, device=ctx.device)
-    same = z.cuda(ctx.local_rank) if ctx.device.type == "cuda" else z.cpu()
+    same = z.cuda(ctx.device.index) if ctx.device.type == "cuda" else z.cpu()  # its own GPU (ranks may share one)
     copied = z.to(ctx.device, copy=True)
     return {
         "to_same_device_is_same": z.to(ctx.device) is z,
@@ -195,6 +212,7 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
     identity_ok = bool(identity) and all(v and all(v.values()) for v in identity.values())
     pg = sorted({str(b) for r in ranks if (b := (r.get("result") or {}).get("pg_backend"))})
     pingpong_hosts = {r["host"] for r in ranks if r["rank"] in (0, 1) and r["world_size"] >= 2}
+    staged = any((r.get("result") or {}).get("pingpong_staged") for r in ranks)
     not_measured = [] if on_cuda else [DESCRIPTIONS[k] for k in GPU_KINDS] + [DESCRIPTIONS["d2d/peer"]]
     if on_cuda and not any(r["kind"] == "d2d/peer" for r in rows):
         not_measured.append(DESCRIPTIONS["d2d/peer"] + " (needs two GPUs visible to one process)")
@@ -211,7 +229,8 @@ def summarize(stages: list[dict[str, Any]], params: Mapping[str, Any]) -> dict[s
         "pinned_vs_pageable": _pinned_ratios(rows),
         "pg_backends": pg,
         "pingpong_across_hosts": len(pingpong_hosts) > 1,
-        "conclusions": _conclusions(rows, on_cuda, identity_ok, not_measured, pg),
+        "pingpong_staged": staged,
+        "conclusions": _conclusions(rows, on_cuda, identity_ok, not_measured, pg, staged),
     }
 
 
@@ -225,7 +244,8 @@ def _pinned_ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
-def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, identity_ok: bool, not_measured: list[str], pg: list[str]) -> list[str]:
+def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, identity_ok: bool, not_measured: list[str], pg: list[str],
+                 staged: bool = False) -> list[str]:
     out = []
     if not rows:
         return ["no rank finished: nothing to compare"]
@@ -240,7 +260,7 @@ def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, identity_ok: bool, n
             if pin and page:
                 out.append(
                     f"{words} at {largest:g} MiB: pinned {pin['gb_s']:.3g} GB/s vs pageable {page['gb_s']:.3g} GB/s "
-                    f"({pin['gb_s'] / page['gb_s']:.2f}x)"
+                    f"(pinned {times(pin['gb_s'] / page['gb_s'], digits=2)})"
                 )
         if "d2d/peer" in top:
             out.append(f"GPU to GPU in one process at {largest:g} MiB: {top['d2d/peer']['gb_s']:.3g} GB/s")
@@ -250,6 +270,8 @@ def _conclusions(rows: list[dict[str, Any]], on_cuda: bool, identity_ok: bool, n
         out.append("no GPU: host<->device copies (pageable and pinned) and GPU-to-GPU copies not measured")
     if "pg/pingpong" in top:
         what = "GPU to GPU" if on_cuda else "CPU process to CPU process, not a GPU copy"
+        if staged:
+            what = "ranks on one GPU: gloo sends host memory, so each way is GPU->host, host->host, host->GPU"
         out.append(f"rank 0 -> rank 1 through {'/'.join(pg)} at {largest:g} MiB: {top['pg/pingpong']['gb_s']:.3g} GB/s one way ({what})")
     out.append(
         "x.to(its own device) returns x itself: no copy (d2l's Z.cuda(1) is Z), while copy=True makes one"

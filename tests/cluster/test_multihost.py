@@ -282,4 +282,11 @@ def test_dry_run_prints_quoted_ssh_commands(netns_cluster, tmp_path):
     assert [n["host"] for n in plan["nodes"]] == ["h1", "h2", "h3"]
     assert plan["rendezvous"].startswith("10.231.7.11:")
     assert not (tmp_path / "r w").exists()  # nothing was started or created
+    # --preflight: every host logged in to and planned on what it has (the port picked there)
+    checked = netns_cluster.launch("jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--dry-run", "--preflight", "--json", *TINY,
+                                   "--out", str(tmp_path / "r w"))  # fmt: skip
+    assert checked.returncode == 0, checked.stderr
+    (plan,) = json.loads(checked.stdout)
+    assert [n["host"] for n in plan["nodes"]] == ["h1", "h2", "h3"] and plan["rendezvous"].startswith("10.231.7.11:")
+    assert not (tmp_path / "r w").exists()
     assert_clean(netns_cluster)

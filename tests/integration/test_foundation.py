@@ -164,3 +164,18 @@ def test_bad_spec_exits_2_with_one_line_and_no_run(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: {bad}:3: resources.gpus_per_nod: unknown key, did you mean 'gpus_per_node'?"
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_listed_world_that_does_not_fit_is_skipped_and_the_others_run(tmp_path):
+    done = launch("jobs/matmul_scaling.yaml", *TINY, "--set", "scaling.workers=[1,3]", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "world size 3 skipped: it needs 3 worker slot(s) per node but resources.cpu_workers gives 2" in said
+    (run_dir,) = (tmp_path / "matmul_scaling").iterdir()
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["world_sizes"] == [1]
+    assert result["skipped_worlds"] == [
+        {"world_size": 3, "reason": "needs 3 worker slot(s) per node but resources.cpu_workers gives 2",
+         "remedy": "--set resources.cpu_workers=3 runs it on the CPU"}
+    ]  # fmt: skip
+    assert not (run_dir / "world3").exists()

@@ -115,3 +115,22 @@ def test_a_device_list_from_launch_devices_is_an_inventory_too(capsys, tmp_path)
     plans = _plans(capsys, REPO / "jobs" / "ddp_train.yaml", listing)
     assert [p["world_size"] for p in plans] == [1, 2, 4, 8]
     assert plans[-1]["nodes"][0]["threads"] == 8  # 64 CPUs over 8 ranks
+
+
+def test_a_dry_run_over_ssh_logs_in_to_no_host_and_says_what_it_assumed(capsys, tmp_path, monkeypatch):
+    """192.0.2.0/24 is TEST-NET-1: nothing answers there, and nothing may try (the SSH client is
+    made to fail loudly if it is started at all)."""
+    import launcher.backends.ssh as ssh
+
+    monkeypatch.setattr(ssh, "preflight_hosts", lambda *a, **k: pytest.fail("the dry run logged in"))
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("hosts:\n  - {name: n1, address: 192.0.2.1}\n  - {name: n2, address: 192.0.2.2}\n")
+    job = REPO / "jobs" / "matmul_scaling.yaml"
+    plans = _plans(capsys, job, ONE_GPU, "resources.nodes=2", f"cluster={cluster}")  # a recorded node: its GPU
+    assert [p["world_size"] for p in plans] == [2] and plans[0]["device_type"] == "cuda"
+    rc = main([str(job), "--dry-run", "--cluster", str(cluster), "--set", "resources.nodes=2", "--set", "resources.gpus_per_node=4"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert rc == 0
+    assert said.count(" $ ssh ") == 6  # worlds 2, 4 and 8, each a command per host
+    assert "hosts not logged in to: planned as written with 4 GPU(s) per host as resources.gpus_per_node says" in said
+    assert "--preflight logs in" in said
