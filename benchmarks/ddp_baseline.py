@@ -8,6 +8,8 @@ epoch's ends on a GPU). Rank 0 prints one JSON line: samples/s per rank (samples
 the median epoch time) and in total.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/ddp_baseline.py --epochs 4
+    BENCH_DEVICE=cuda BENCH_RANKS_PER_GPU=2 torchrun --standalone --nproc-per-node=2 benchmarks/ddp_baseline.py
+        # two ranks sharing one GPU (gloo over CUDA tensors), as the job with resources.ranks_per_gpu: 2
 """
 
 from __future__ import annotations
@@ -44,10 +46,16 @@ def main() -> None:
 
     local_rank = int(os.environ["LOCAL_RANK"])
     cuda = os.environ.get("BENCH_DEVICE", "cuda" if torch.cuda.is_available() else "cpu") == "cuda"
+    # ranks sharing each GPU (the job's resources.ranks_per_gpu): rank on cuda:<local_rank // k>,
+    # and gloo over CUDA tensors, since NCCL refuses two ranks on one GPU
+    share = int(os.environ.get("BENCH_RANKS_PER_GPU", "1"))
     if cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=dev)
+        dev = torch.device("cuda", local_rank // share)
+        torch.cuda.set_device(dev)
+        if share > 1:
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("nccl", device_id=dev)
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -58,7 +66,7 @@ def main() -> None:
         nn.Linear(args.hidden, args.classes),
     ).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None)
+    ddp = DDP(model, device_ids=[dev.index] if cuda else None)
     x, y = make_dataset(args.n_train, args.features, args.classes, args.seed, split=0)
     train = TensorDataset(x, y)
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)

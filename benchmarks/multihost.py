@@ -86,8 +86,8 @@ class Tree:
         self.python.chmod(0o755)
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(self.root)
+        env = dict(os.environ)  # this copy first, the caller's own entries (packages) kept
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH")) if p)
         return env
 
 

@@ -2,34 +2,43 @@
 
 1. matmul: the matmul job (``jobs/matmul_scaling.yaml``, one worker) against
    ``benchmarks/hand_matmul.py`` (a plain ``torch.matmul`` timing loop) with the same sizes,
-   iterations, dtype and threads; GFLOP/s, the ratio job/hand, and on a GPU the fraction of its
+   dtype and threads, and as many timed matmuls as the job's trials hold together (equal work, so
+   equal duration on the device); GFLOP/s, the ratio job/hand, and on a GPU the fraction of its
    datasheet peak. Target: the job within 2% of the hand loop.
 2. DDP: the ddp_train job (``jobs/ddp_train.yaml``) against ``benchmarks/ddp_baseline.py`` under
-   bare ``torchrun`` (same model, data, batch and optimiser): samples/s at 1 and 2 workers.
+   bare ``torchrun`` (same model, data, batch and optimiser): samples/s at 1 and 2 workers (on a
+   GPU: 1; ``--ranks-per-gpu 2 --ddp-workers 2``: two ranks sharing one GPU, gloo on both sides).
 
 Runs are interleaved (the order rotates every repetition); medians, spread and ratios.
 
     python benchmarks/throughput.py              # CPU here, 5 repetitions
-    python benchmarks/throughput.py --full       # on a GPU machine: cuda, large matrices, 7 reps
+    python benchmarks/throughput.py --full       # on a GPU machine: cuda, bf16 n=4096 and 8192, 3 reps
     python benchmarks/throughput.py --smoke      # tiny, 1 repetition
+    python benchmarks/throughput.py --device cuda --reps 2 --budget-s 120   # the GPU session's call (~1-2 min)
+
+Each run is a child ``python -m launcher`` / ``python -m torch.distributed.run`` of this Python
+(no console script needed: on a GPU machine the tree may only be on PYTHONPATH). ``--budget-s``
+starts no repetition once that many seconds have passed, so the script always ends with its JSON.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    REPO, base_parser, bench_env, fmt, gpu_names, has_gpu, machine_info, ratio, rotate, run_timed, summary, tool,
-    write_result,
+    REPO, base_parser, bench_env, fmt, gpu_names, has_gpu, machine_info, ratio, rotate, run_timed, summary, write_result,
 )
+
+LAUNCH = [sys.executable, "-m", "launcher"]  # `launch`, from this Python (the tree on PYTHONPATH is enough)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, from this Python
 
 def gpu_peak(name: str, dtype: str) -> float | None:
     """The datasheet's dense peak for ``dtype`` (the selftest's table: ``launcher.hardware``)."""
@@ -43,12 +52,21 @@ def gpu_peak(name: str, dtype: str) -> float | None:
 
 def config(args: Any, cuda: bool) -> dict[str, Any]:
     if args.smoke:
-        return {"sizes": [256], "iters": 5, "dtype": "float32", "ddp_epochs": 1, "ddp_n_train": 2048, "ddp_workers": [1]}
-    if cuda:
-        return {"sizes": [4096, 8192], "iters": 50, "dtype": args.dtype or "float32", "ddp_epochs": 4, "ddp_n_train": 32768,
-                "ddp_workers": [1]}
-    return {"sizes": [512, 1024], "iters": 30, "dtype": args.dtype or "float32", "ddp_epochs": 3, "ddp_n_train": 8192,
-            "ddp_workers": [1, 2]}
+        cfg = {"sizes": [256], "iters": 5, "trials": 2, "dtype": "float32", "ddp_epochs": 1, "ddp_n_train": 2048, "ddp_workers": [1]}
+    elif cuda:
+        # sized for a short GPU lease: bf16 (where the card's peak is), a trial of 100 products at
+        # n=8192 is ~0.15 s on an H100; each run is dominated by its own start (~5-10 s), so a
+        # repetition of all four runs takes ~30-40 s (it took >170 s for 3 reps at fp32, 7 trials x 50)
+        cfg = {"sizes": [4096, 8192], "iters": 100, "trials": 5, "dtype": "bfloat16", "ddp_epochs": 3, "ddp_n_train": 16384,
+               "ddp_workers": [1]}
+    else:
+        cfg = {"sizes": [512, 1024], "iters": 30, "trials": 5, "dtype": "float32", "ddp_epochs": 3, "ddp_n_train": 8192,
+               "ddp_workers": [1, 2]}
+    for key in ("sizes", "iters", "trials", "dtype", "ddp_epochs", "ddp_n_train", "ddp_workers"):
+        if getattr(args, key, None) is not None:
+            cfg[key] = getattr(args, key)
+    cfg["ranks_per_gpu"] = args.ranks_per_gpu if cuda else 1
+    return cfg
 
 
 def _result_json(out_dir: Path) -> dict[str, Any]:
@@ -60,9 +78,10 @@ def _result_json(out_dir: Path) -> dict[str, Any]:
 
 def matmul_job(cfg: dict[str, Any], cuda: bool, work: Path) -> dict[str, float]:
     dev = ["--set", "resources.device=cuda", "--set", "resources.gpus_per_node=1"] if cuda else []
-    argv = [tool("launch"), str(REPO / "jobs" / "matmul_scaling.yaml"), "--quiet", "--out", str(work / "runs"),
+    argv = [*LAUNCH, str(REPO / "jobs" / "matmul_scaling.yaml"), "--quiet", "--no-metrics", "--out", str(work / "runs"),
             "--set", "scaling.workers=[1]", "--set", f"params.sizes={cfg['sizes']}", "--set", f"params.iters={cfg['iters']}",
-            "--set", f"params.dtype={cfg['dtype']}", *dev]
+            "--set", f"params.trials={cfg['trials']}", "--set", f"params.dtype={cfg['dtype']}",
+            "--set", f"params.threads_per_rank={cfg['threads']}", *dev]
     done = run_timed(argv, env=bench_env(), cwd=work, timeout_s=900)
     if done.rc != 0:
         raise RuntimeError(f"launch matmul exit {done.rc}: {done.output[-1500:]}")
@@ -71,8 +90,9 @@ def matmul_job(cfg: dict[str, Any], cuda: bool, work: Path) -> dict[str, float]:
 
 
 def matmul_hand(cfg: dict[str, Any], cuda: bool, threads: int, work: Path) -> dict[str, float]:
+    # the job times `trials` blocks of `iters` products: the hand loop times as many in one block
     argv = [sys.executable, str(REPO / "benchmarks" / "hand_matmul.py"), "--sizes", *map(str, cfg["sizes"]),
-            "--iters", str(cfg["iters"]), "--dtype", cfg["dtype"], "--device", "cuda" if cuda else "cpu", "--threads", str(threads)]
+            "--iters", str(cfg["iters"] * cfg["trials"]), "--dtype", cfg["dtype"], "--device", "cuda" if cuda else "cpu", "--threads", str(threads)]
     done = run_timed(argv, env=bench_env({"OMP_NUM_THREADS": str(threads)}), cwd=work, timeout_s=900)
     if done.rc != 0:
         raise RuntimeError(f"hand_matmul exit {done.rc}: {done.output[-1500:]}")
@@ -88,10 +108,13 @@ def ddp_available() -> str | None:
 
 
 def ddp_job(cfg: dict[str, Any], workers: int, cuda: bool, work: Path) -> float:
-    dev = ["--set", "resources.device=cuda", "--set", f"resources.gpus_per_node={workers}"] if cuda else []
-    argv = [tool("launch"), str(REPO / "jobs" / "ddp_train.yaml"), "--quiet", "--out", str(work / "runs"),
+    share = cfg["ranks_per_gpu"]
+    dev = ["--set", "resources.device=cuda", "--set", f"resources.gpus_per_node={-(-workers // share)}"] if cuda else []
+    if cuda and share > 1:
+        dev += ["--set", f"resources.ranks_per_gpu={share}"]
+    argv = [*LAUNCH, str(REPO / "jobs" / "ddp_train.yaml"), "--quiet", "--no-metrics", "--out", str(work / "runs"),
             "--set", f"scaling.workers=[{workers}]", "--set", f"params.epochs={cfg['ddp_epochs']}",
-            "--set", f"params.n_train={cfg['ddp_n_train']}", *dev]
+            "--set", f"params.n_train={cfg['ddp_n_train']}", "--set", f"params.threads_per_rank={cfg['threads']}", *dev]
     done = run_timed(argv, env=bench_env(), cwd=work, timeout_s=900)
     if done.rc != 0:
         raise RuntimeError(f"launch ddp_train exit {done.rc}: {done.output[-1500:]}")
@@ -100,10 +123,10 @@ def ddp_job(cfg: dict[str, Any], workers: int, cuda: bool, work: Path) -> float:
 
 
 def ddp_hand(cfg: dict[str, Any], workers: int, cuda: bool, work: Path) -> float:
-    argv = [tool("torchrun"), "--standalone", f"--nproc-per-node={workers}", str(REPO / "benchmarks" / "ddp_baseline.py"),
+    argv = [*TORCHRUN, "--standalone", f"--nproc-per-node={workers}", str(REPO / "benchmarks" / "ddp_baseline.py"),
             "--epochs", str(cfg["ddp_epochs"]), "--n-train", str(cfg["ddp_n_train"])]
-    threads = max(1, (os.cpu_count() or 1) // workers)  # what the launcher gives each worker
-    env = bench_env({"BENCH_DEVICE": "cuda" if cuda else "cpu", "OMP_NUM_THREADS": str(threads)})
+    env = bench_env({"BENCH_DEVICE": "cuda" if cuda else "cpu", "OMP_NUM_THREADS": str(cfg["threads"]),
+                     "BENCH_RANKS_PER_GPU": str(cfg["ranks_per_gpu"])})
     done = run_timed(argv, env=env, cwd=work, timeout_s=900)
     line = next((ln for ln in done.output.splitlines() if "DDP_BASELINE " in ln), None)
     if done.rc != 0 or line is None:
@@ -117,11 +140,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="matmul dtype (default float32)")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--no-matmul", action="store_true")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="matmul n (default: by device)")
+    p.add_argument("--iters", type=int, default=None, help="matmuls per timed trial of the job")
+    p.add_argument("--trials", type=int, default=None, help="the job's timed trials per size (the hand loop times iters x trials at once)")
+    p.add_argument("--ddp-epochs", type=int, default=None)
+    p.add_argument("--ddp-n-train", type=int, default=None)
+    p.add_argument("--ddp-workers", type=int, nargs="+", default=None, help="DDP world sizes (default: 1 on a GPU, 1 2 on the CPU)")
+    p.add_argument("--ranks-per-gpu", type=int, default=1,
+                   help="on a GPU: DDP ranks sharing each GPU (the job's resources.ranks_per_gpu; gloo on both sides above 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank, the job's and the hand-written code's alike (default 1)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no repetition after this many seconds (the JSON is always written)")
     args = p.parse_args(argv)
     cuda = (args.device or ("cuda" if args.full and has_gpu() else "cpu")) == "cuda"
     cfg = config(args, cuda)
-    reps = args.reps or (1 if args.smoke else 7 if args.full else 5)
-    threads = 1 if cuda else (os.cpu_count() or 1)  # a 1-worker stage gets every core
+    reps = args.reps or (1 if args.smoke else 3 if cuda else 7 if args.full else 5)
+    t0 = time.monotonic()
+    # the same torch threads on both sides: the job's params.threads_per_rank is set to it (the hand
+    # loop used every core against the job's 1 and read 20-30x slower on a loaded 2-core machine)
+    threads = cfg["threads"] = args.threads
     runs: dict[str, Callable[[Path], Any]] = {} if args.no_matmul else {
         "matmul_job": lambda w: matmul_job(cfg, cuda, w),
         "matmul_hand": lambda w: matmul_hand(cfg, cuda, threads, w),
@@ -133,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
             runs[f"ddp_hand_w{n}"] = lambda w, n=n: ddp_hand(cfg, n, cuda, w)
     raw: dict[str, list[Any]] = {k: [] for k in runs}
     errors: dict[str, str] = {}
+    done_reps = 0
     for k in range(reps):
+        if args.budget_s is not None and k > 0 and time.monotonic() - t0 > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s spent after {k} repetition(s): stopping", flush=True)
+            break
+        done_reps = k + 1
         for name in rotate(list(runs), k):
             if name in errors:
                 continue
@@ -166,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             ddp[str(n)] = {"job_samples_per_s": job, "hand_samples_per_s": hand, "job_over_hand": ratio(job["median"], hand["median"]),
                            "per_rep_ratios": summary([ratio(a, b) for a, b in zip(raw[f"ddp_job_w{n}"], raw[f"ddp_hand_w{n}"])])}
 
-    print(f"\nthroughput on {gpu or 'cpu'} ({reps} repetitions; median [min..max])")
+    print(f"\nthroughput on {gpu or 'cpu'} ({done_reps} repetitions; median [min..max]; {time.monotonic() - t0:.0f} s)")
     for n, row in matmul.items():
         j, h = row["job_gflops"], row["hand_gflops"]
         peak = f", {row['job_fraction_of_peak']:.1%} of peak" if row["job_fraction_of_peak"] else ""
@@ -180,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ddp skipped: {ddp_skip}")
     write_result("throughput", {
         "benchmark": "throughput", "mode": "smoke" if args.smoke else "full" if args.full else "default",
-        "device": "cuda" if cuda else "cpu", "gpu": gpu, "config": cfg, "reps": reps, "threads": threads,
+        "device": "cuda" if cuda else "cpu", "gpu": gpu, "config": cfg, "reps": done_reps, "reps_asked": reps, "threads": threads,
+        "wall_s": round(time.monotonic() - t0, 1),
         "machine": machine_info(), "matmul": matmul, "ddp": ddp, "ddp_skipped": ddp_skip, "errors": errors, "raw": raw,
     }, args.out)
     return 1 if errors else 0

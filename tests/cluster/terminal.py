@@ -14,6 +14,7 @@ import threading
 from typing import Mapping
 
 from tests.cluster.conftest import REPO, NetnsCluster
+from tests.integration.faultkit import pythonpath
 
 SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -29,7 +30,7 @@ class TerminalRun:
         self.proc = subprocess.Popen(
             cluster.ns_cmd("script", "-qfec", command, "/dev/null"),
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "TERM": "xterm", "COLUMNS": "200", "LINES": "50", "PYTHONPATH": str(REPO),
+            env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "TERM": "xterm", "COLUMNS": "200", "LINES": "50", "PYTHONPATH": pythonpath(),
                  "GPULAUNCH_PROM_SD_DIR": os.environ["GPULAUNCH_PROM_SD_DIR"], **(env or {})},
         )  # fmt: skip
         self.text = ""

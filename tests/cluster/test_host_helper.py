@@ -21,6 +21,7 @@ from launcher.control.diagnosis import HOST_LOST, explain_failure
 from launcher.protocol import RankError, RankReport, RankStatus, StagePaths
 from launcher.records import FailureReason
 from tests.cluster.conftest import REPO
+from tests.integration.faultkit import pythonpath
 
 # Runs the remote command of an ssh argv here: every option is ignored, "--" DEST CMD is `sh -c CMD`.
 FAKE_SSH = """#!/bin/sh
@@ -44,7 +45,7 @@ def links(tmp_path, monkeypatch):
     (bin_dir / "ssh").write_text(FAKE_SSH)
     (bin_dir / "ssh").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
     monkeypatch.chdir(REPO)
     pool = HostLinks()
     yield pool

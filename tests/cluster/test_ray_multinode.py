@@ -26,6 +26,7 @@ import pytest
 
 from tests.cluster.conftest import PREFIX, NetnsCluster, netns_pids
 from tests.conftest import REPO
+from tests.integration.faultkit import pythonpath
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -211,7 +212,7 @@ def test_ranks_on_the_worker_node_are_live_on_the_submitting_console_and_endpoin
         "resources: {cpu_workers: 2}\nray: {placement: strict_spread}\ntimeouts: {rendezvous_s: 60, run_s: 300}\n"
     )
     env = {k: v for k, v in _ray_env(token).items() if k.startswith("RAY_")}
-    env["PYTHONPATH"] = f"{REPO}:{job}"  # the spec's entrypoint is checked here before submitting
+    env["PYTHONPATH"] = pythonpath(REPO, job)  # the spec's entrypoint is checked here before submitting
     run = TerminalRun(cluster, str(job / "stepper.yaml"), "--address", address, "--out", str(tmp_path / "runs"), env=env)
     try:
         seen: list[dict] = []
@@ -268,7 +269,7 @@ def test_a_hang_on_the_worker_node_is_named_from_evidence_gathered_there(ray_two
         "resources: {cpu_workers: 2}\nray: {placement: strict_spread}\ntimeouts: {rendezvous_s: 60, run_s: 300, hang_s: 6}\n"
     )
     env = {k: v for k, v in _ray_env(token).items() if k.startswith("RAY_")}
-    env["PYTHONPATH"] = f"{REPO}:{job}"  # the spec's entrypoint is checked here before submitting
+    env["PYTHONPATH"] = pythonpath(REPO, job)  # the spec's entrypoint is checked here before submitting
     done = subprocess.run(cluster.ns_cmd(sys.executable, "-m", "launcher", str(spec), "--address", address, "--out", str(tmp_path / "runs")),
                           cwd=REPO, env={**_ray_env(token), **env}, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]

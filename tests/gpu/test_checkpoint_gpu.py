@@ -1,8 +1,9 @@
 """Checkpoints and resume on real GPUs (marked ``gpu``: skipped where nvidia-smi finds none).
 
-ddp_train on every visible GPU (NCCL): a rank SIGKILLed mid-run restarts from the last checkpoint
-and ends with the same model as an uninterrupted run (within 1e-6: GPU kernels need not be
-bitwise deterministic), its checkpoint read back on every rank onto its own cuda:<local_rank>;
+ddp_train at world 2, on two GPUs (NCCL) or with two ranks sharing one GPU (``ranks_per_gpu: 2``:
+gloo over CUDA tensors): a rank SIGKILLed mid-run restarts from the last checkpoint and ends with
+the same model as an uninterrupted run (within 1e-6: GPU kernels need not be bitwise
+deterministic), its checkpoint read back on every rank onto its own cuda:<local_rank // k>;
 a checkpoint saved on one GPU loads onto another and onto the CPU (map_location); and a stop
 notice is agreed by the group over the gloo side group while NCCL trains."""
 
@@ -26,10 +27,14 @@ def _gpus() -> int:
     return torch.cuda.device_count()
 
 
-def test_a_killed_gpu_rank_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    if _gpus() < 2:
+# world 2 on one GPU (two ranks share it: gloo over CUDA tensors, since NCCL refuses two ranks on
+# one GPU), and on two GPUs (NCCL, each rank reading the checkpoint onto its own GPU)
+@pytest.mark.parametrize("ranks_per_gpu", [2, 1], ids=["two-ranks-share-one-gpu", "two-gpus-nccl"])
+def test_a_killed_gpu_rank_resumes_from_its_checkpoint(tmp_path: Path, ranks_per_gpu: int) -> None:
+    if _gpus() < 2 // ranks_per_gpu:
         pytest.skip("needs two GPUs")
-    common = ["entrypoint=tests.jobs.killed_train:run", "params.epochs=6", "scaling.workers=[2]", "resources.device=cuda", *TINY_TRAIN]
+    common = ["entrypoint=tests.jobs.killed_train:run", "params.epochs=6", "scaling.workers=[2]", "resources.device=cuda", *TINY_TRAIN,
+              f"resources.ranks_per_gpu={ranks_per_gpu}", f"resources.gpus_per_node={2 // ranks_per_gpu}"]
     base = run_job(tmp_path / "a", "ddp_train", *common, "params.kill_at=-1", f"params.marker={tmp_path / 'unused'}")
     assert base.returncode == 0, base.stderr[-3000:]
     run = run_job(tmp_path / "b", "ddp_train", *common, "params.kill_rank=1", "params.kill_at=10", f"params.marker={tmp_path / 'killed'}")
@@ -38,7 +43,7 @@ def test_a_killed_gpu_rank_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert first["failure_class"] == "rank_lost" and second["resumed_step"] == 8
     for r in run.ranks():
         check = r["result"]["checkpoint_check"]
-        assert check["map_location"] == f"cuda:{r['local_rank']}" and check["all_on_device"] and check["equals_replica"]
+        assert check["map_location"] == f"cuda:{r['local_rank'] // ranks_per_gpu}" and check["all_on_device"] and check["equals_replica"]
     # the final models agree (GPU kernels: within a tolerance, see the loss curves)
     assert abs(run.summary["rows"][0]["train_loss"] - base.summary["rows"][0]["train_loss"]) < 1e-6
 

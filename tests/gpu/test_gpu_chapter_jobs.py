@@ -19,11 +19,11 @@ def _gpus() -> int:
     return torch.cuda.device_count()
 
 
-def _assert_on_gpus(run, job: str) -> None:
+def _assert_on_gpus(run, job: str, ranks_per_gpu: int = 1) -> None:
     assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr}"
     assert (run.result["job"], run.result["status"]) == (job, "succeeded")
     for r in run.result["ranks"]:
-        assert r["status"] == "ok" and r["device"] == f"cuda:{r['local_rank']}"
+        assert r["status"] == "ok" and r["device"] == f"cuda:{r['local_rank'] // ranks_per_gpu}"
 
 
 def test_recorder_never_syncs_and_item_always_does():
@@ -79,7 +79,7 @@ def test_sync_logging_job_counts_syncs_on_every_gpu(tmp_path):
     assert v["item"]["syncs_loop"] == 200 and v["item"]["reads_loop"] == 200
     assert v["device"]["syncs_loop"] == 0 and v["device"]["at_end"] == 1
     assert v["recorder"]["syncs_loop"] == 0 and v["recorder"]["at_end"] == 1
-    assert len(run.result["ranks"]) == _gpus()
+    assert max(r["world_size"] for r in run.result["ranks"]) == _gpus()  # the largest world: every GPU
     assert_plots(run, "sync_logging.png")
 
 
@@ -118,11 +118,21 @@ def test_ddp_train_on_gpus_reads_the_checkpoint_onto_each_device(tmp_path):
     for r in run.result["ranks"]:
         check = r["result"]["checkpoint_check"]
         assert check["map_location"] == r["device"] and check["all_on_device"] and check["equals_replica"]
-    resumed = run_job(tmp_path / "resumed", "ddp_train", f"scaling.workers=[{_gpus()}]", "params.n_train=4096",
-                      "params.epochs=3", f"params.resume={run.run_dir / 'world1' / 'checkpoint.pt'}")
-    _assert_on_gpus(resumed, "ddp_train")
+    # the store's layout (launcher/runtime/checkpoint.py): <run>/world1/checkpoints/step-<9 digits>/,
+    # the newest taken; resumed at world 2: on two GPUs (NCCL), or two ranks sharing one (gloo on CUDA)
+    ckpt = run.run_dir / "world1" / "checkpoints"
+    steps = 2 * 4096 // 256  # two epochs of the job's batch_size (256) at world 1
+    assert (ckpt / f"step-{steps:09d}" / "manifest.json").is_file(), sorted(p.name for p in ckpt.iterdir())
+    share = 1 if _gpus() >= 2 else 2
+    resumed = run_job(tmp_path / "resumed", "ddp_train", "scaling.workers=[2]", f"resources.ranks_per_gpu={share}",
+                      f"resources.gpus_per_node={2 // share}", "params.n_train=4096", "params.epochs=3", f"params.resume={ckpt}")
+    _assert_on_gpus(resumed, "ddp_train", share)
     (row,) = resumed.summary["rows"]
-    assert row["epochs"] == "2->3" and row["ckpt_ok"] is True  # saved from cuda:0, read onto cuda:k
+    assert row["epochs"] == "2->3" and row["ckpt_ok"] is True  # saved from cuda:0, read onto each rank's GPU
+    assert row["resumed_from"] == str(ckpt / f"step-{steps:09d}")
+    for r in resumed.result["ranks"]:
+        check = r["result"]["checkpoint_check"]
+        assert check["map_location"] == r["device"] and check["all_on_device"] and check["equals_replica"]
 
 
 def test_matmul_scaling_on_gpus_with_concurrency(tmp_path):

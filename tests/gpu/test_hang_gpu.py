@@ -1,7 +1,8 @@
 """Injected hangs on real GPUs under NCCL (marked ``gpu``: skipped where nvidia-smi finds none).
 
 On one GPU: a single rank that stops counting is called hung, and its evidence holds its stacks
-and NCCL's flight-recorder entries. On two or more: each injected hang (a rank sleeping, skipping a
+and NCCL's flight-recorder entries; the four injected hangs at world 2 with both ranks sharing the
+GPU (``ranks_per_gpu: 2``, gloo over CUDA tensors). On two or more, under NCCL: each injected hang (a rank sleeping, skipping a
 collective, frozen, deadlocked on a lock) names that rank and its line, although the others' host
 threads may have queued many collectives past the one their GPUs wait in (the recorder's
 completion states say which)."""
@@ -46,7 +47,29 @@ def test_one_gpu_rank_that_stops_counting_is_hung_with_its_nccl_record(tmp_path)
 
 
 @pytest.mark.parametrize("hang", sorted(CASES))
+def test_an_injected_hang_of_two_ranks_sharing_one_gpu_names_the_rank_and_line(tmp_path, hang):
+    """Both ranks on cuda:0 (``ranks_per_gpu: 2``: gloo over CUDA tensors): the same four hangs,
+    each named with its rank, line and device, on a one-GPU machine."""
+    if _gpus() < 1:
+        pytest.skip("needs a GPU")
+    why, marker = CASES[hang]
+    spec = hang_spec(tmp_path, f"gpushared-{hang}", params={"hang": hang, "rank": 1, "at": 20},
+                     resources={"device": "cuda", "gpus_per_node": 1, "ranks_per_gpu": 2})
+    done = _launch(spec, tmp_path / "runs")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / f"gpushared-{hang}").iterdir()
+    info = result_of(run_dir)["failure"]["hang"]
+    (culprit,) = info["culprits"]
+    assert culprit["rank"] == 1 and culprit["line"] == line_of(marker) and culprit["device"] == "cuda:0", info
+    assert why in culprit["why"] and Path(culprit["file"]).name == "hang_job.py", info  # as under gloo on the CPU
+    left, _ = wait_no_pids(str(tmp_path / "runs"), 10)
+    assert left == []
+
+
+@pytest.mark.parametrize("hang", sorted(CASES))
 def test_an_injected_nccl_hang_names_the_rank_and_line(tmp_path, hang):
+    """NCCL between GPUs is the point (its host threads run ahead of the GPU a collective waits
+    in; the flight recorder's completion states say which): two GPUs or more."""
     if _gpus() < 2:
         pytest.skip("needs two GPUs (NCCL will not put two ranks on one)")
     why, marker = CASES[hang]

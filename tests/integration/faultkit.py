@@ -28,7 +28,7 @@ def write_spec(tmp_path: Path, name: str = "faulty", **fields: Any) -> Path:
         "resources": {"cpu_workers": 2},
         # the gloo timeout is an hour: only fail-fast teardown can end a blocked collective
         "timeouts": {"rendezvous_s": 3600, "run_s": 600},
-        "env": {"PYTHONPATH": str(REPO)},
+        "env": {"PYTHONPATH": pythonpath()},
     }
     for key, value in fields.items():
         if isinstance(value, dict) and isinstance(spec.get(key), dict):
@@ -42,8 +42,20 @@ def write_spec(tmp_path: Path, name: str = "faulty", **fields: Any) -> Path:
     return path
 
 
-def child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+def pythonpath(*front: str | Path, base: str | None = None) -> str:
+    """A child's PYTHONPATH: ``front``, then the repository, then the caller's own entries (``base``,
+    default this process's PYTHONPATH), each once. Prepend, never replace: where packages come
+    through PYTHONPATH (a GPU machine's wheels in /tmp/site: benchmarks/gpu_session.sh), a child
+    without them cannot import the launcher."""
+    caller = os.environ.get("PYTHONPATH", "") if base is None else base
+    entries = [str(p) for p in front] + [str(REPO)] + caller.split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(e for e in entries if e))
+
+
+def child_env(*front: str | Path) -> dict[str, str]:
+    """This process's environment for a child ``python -m launcher``: the repository (and
+    ``front``) prepended to the caller's PYTHONPATH, which it keeps."""
+    return {**os.environ, "PYTHONPATH": pythonpath(*front), "PYTHONUNBUFFERED": "1"}
 
 
 class Launched:

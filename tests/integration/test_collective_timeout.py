@@ -13,7 +13,8 @@ from pathlib import Path
 import yaml
 
 from launcher import run_job
-from tests.conftest import REPO, pids_mentioning
+from tests.conftest import pids_mentioning
+from tests.integration.faultkit import pythonpath
 
 
 def _quiet_ui():
@@ -35,7 +36,7 @@ def _run(tmp_path: Path, monkeypatch, timeouts: dict, params: dict, env: dict | 
     }
     path = tmp_path / "slow_collective.yaml"
     path.write_text(yaml.safe_dump(spec))
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
     result = run_job(path, out=tmp_path / "runs", events=_quiet_ui())
     assert pids_mentioning(str(tmp_path)) == []
     return result

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.integration.faultkit import Launched, child_env, record, result_of, wait_no_pids
+from tests.integration.faultkit import Launched, child_env, pythonpath, record, result_of, wait_no_pids
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def hang_spec(tmp_path: Path, name: str, *, params: dict, hang_s: float = HANG_S
         "params": params,
         "resources": {"cpu_workers": workers},
         "timeouts": {"hang_s": hang_s, "run_s": 300, "rendezvous_s": 120},
-        "env": {"PYTHONPATH": str(REPO)},
+        "env": {"PYTHONPATH": pythonpath()},
         **fields,
     }
     path = tmp_path / f"{name}.yaml"

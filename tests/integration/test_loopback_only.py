@@ -32,6 +32,7 @@ import pytest
 
 from launcher.procutil import wait_gone
 from tests.conftest import REPO, pids_mentioning
+from tests.integration.faultkit import pythonpath
 
 READY_WAIT_S = 300.0  # a guard against a run that never gets its ranks ready, not a measurement
 
@@ -165,7 +166,7 @@ def held_launch(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[b
     directory = tmp_path / "hold"
     spec = hold_spec(directory)
     log = tmp_path / "launch.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GPULAUNCH_PROM_SD_DIR": str(tmp_path / "sd")}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "GPULAUNCH_PROM_SD_DIR": str(tmp_path / "sd")}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs"), "--quiet", *args],

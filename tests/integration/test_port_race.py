@@ -18,6 +18,7 @@ import launcher.control.api
 from launcher import run_job
 from launcher.procutil import free_port
 from tests.conftest import REPO, pids_mentioning
+from tests.integration.faultkit import pythonpath
 
 JOB = REPO / "benchmarks" / "jobs" / "allreduce.yaml"
 
@@ -47,7 +48,7 @@ def test_a_port_taken_before_the_agent_binds_it_is_replaced(tmp_path, taken_port
 
     monkeypatch.setattr(launcher.control.api, "free_port", first_taken_then_free)
     monkeypatch.syspath_prepend(str(REPO))
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
     result = run_job(JOB, out=tmp_path / "runs", events=_quiet_ui())
     assert result.status == "succeeded", result.data.get("failure")
     stage = result.run_dir / "world2"
@@ -61,7 +62,7 @@ def test_a_port_taken_before_the_agent_binds_it_is_replaced(tmp_path, taken_port
 
 def test_a_port_that_stays_taken_fails_with_a_clear_reason(tmp_path, taken_port, monkeypatch):
     monkeypatch.setattr(launcher.control.api, "free_port", lambda host="127.0.0.1": taken_port)
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
     result = run_job(JOB, out=tmp_path / "runs", events=_quiet_ui())
     assert result.status == "failed"
     assert f"rendezvous port {taken_port} on" in result.data["failure"]["summary"]

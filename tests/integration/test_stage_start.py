@@ -16,6 +16,7 @@ from launcher import run_job
 from launcher.backends.ssh import PreflightError
 from launcher.procutil import free_port
 from tests.conftest import REPO, pids_mentioning
+from tests.integration.faultkit import pythonpath
 
 JOB = REPO / "benchmarks" / "jobs" / "allreduce.yaml"
 
@@ -34,7 +35,7 @@ def test_a_stage_that_cannot_start_keeps_the_finished_stages(tmp_path, monkeypat
         return free_port(host)
 
     monkeypatch.setattr(launcher.control.api, "free_port", first_host_gone_after_one_stage)
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
     shown = io.StringIO()
     result = run_job(JOB, overrides=["scaling.workers=[1,2]"], out=tmp_path / "runs", events=RunUI(Console(file=shown, width=200)))
     assert result.status == "failed"

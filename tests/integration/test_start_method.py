@@ -9,7 +9,8 @@ import json
 import pytest
 import yaml
 
-from tests.conftest import REPO, launch, pids_mentioning
+from tests.conftest import launch, pids_mentioning
+from tests.integration.faultkit import pythonpath
 
 
 def _lineage_spec(tmp_path, start_method: str):
@@ -18,7 +19,7 @@ def _lineage_spec(tmp_path, start_method: str):
         "entrypoint": "tests.integration.lineage:run",
         "resources": {"cpu_workers": 2},
         "start_method": start_method,
-        "env": {"PYTHONPATH": str(REPO)},
+        "env": {"PYTHONPATH": pythonpath()},
         "timeouts": {"run_s": 120},
     }
     path = tmp_path / f"{start_method}.yaml"

@@ -10,10 +10,10 @@ import hashlib
 
 import pytest
 
-from tests.conftest import REPO
 from tests.jobs.conftest import assert_succeeded, run_job
 from tests.jobs.private_fs import mount_works
 from tests.jobs.test_gpu_chapter_jobs import TINY_TRAIN
+from tests.integration.faultkit import pythonpath
 
 pytestmark = pytest.mark.skipif(not mount_works(), reason="needs mount namespaces (root) to give a rank its own filesystem view")
 
@@ -25,7 +25,7 @@ def _sha(path) -> str:
 
 
 def test_checkpoint_and_resume_reach_ranks_that_cannot_see_rank0s_files(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
     shared_nothing = tmp_path / "rank0-host"
     shared_nothing.mkdir()
     first_dir, second_dir = shared_nothing / "a", shared_nothing / "b"

@@ -32,6 +32,7 @@ pytest.importorskip("prometheus_client")
 from tests.conftest import REPO
 from tests.monitoring.conftest import wait_for
 from tests.monitoring.test_prometheus_scrape import repo_scrape_config
+from tests.integration.faultkit import pythonpath
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +103,7 @@ def test_prometheus_scrapes_every_rank_of_a_live_ray_run(tmp_path, start_prometh
     spec = tmp_path / "live_ray.yaml"
     spec.write_text(SPEC)
     env = {
-        **os.environ, "PYTHONPATH": str(REPO), MARK: mark,
+        **os.environ, "PYTHONPATH": pythonpath(), MARK: mark,
         "GPULAUNCH_PROM_SD_DIR": str(sd_dir),
         "RAY_TMPDIR": str(ray_tmp),  # the embedded Ray's files, its service-discovery file included
         "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),  # a token of its own, never ~/.ray's

@@ -11,6 +11,7 @@ import time
 from tests.conftest import REPO
 from tests.monitoring.conftest import wait_for
 from tests.monitoring.test_prometheus_scrape import repo_scrape_config
+from tests.integration.faultkit import pythonpath
 
 SPEC = """\
 name: live_metrics
@@ -28,7 +29,7 @@ def test_prometheus_scrapes_every_rank_of_a_live_torchrun_run(tmp_path, start_pr
     prom = start_prometheus(repo_scrape_config(tmp_path, sd_dir))
     spec = tmp_path / "live.yaml"
     spec.write_text(SPEC)
-    env = {**os.environ, "GPULAUNCH_PROM_SD_DIR": str(sd_dir), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "GPULAUNCH_PROM_SD_DIR": str(sd_dir), "PYTHONPATH": pythonpath()}
     started = time.time()
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs"), "--quiet"],

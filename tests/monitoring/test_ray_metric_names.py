@@ -24,9 +24,9 @@ pytest.importorskip("ray")
 pytest.importorskip("prometheus_client")
 
 from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample
-from tests.conftest import REPO
 from tests.monitoring.conftest import wait_for
 from tests.ports import unshared_port
+from tests.integration.faultkit import pythonpath
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_ray_and_the_endpoint_share_names_and_labels_under_rays_generated_config
     stop_file = tmp_path / "stop"
     (tmp_path / "driver.py").write_text(DRIVER)
     env = {
-        **os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0",
+        **os.environ, "PYTHONPATH": pythonpath(), "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),  # a token of its own: no ~/.ray/auth_token
         "RAY_metrics_report_interval_ms": "1000",  # workers report to the node's agent every second
     }

@@ -18,6 +18,7 @@ from launcher.procutil import kill_now
 from tests.conftest import REPO, pids_mentioning
 from tests.monitoring.conftest import wait_for
 from tests.waiting import wait_empty
+from tests.integration.faultkit import pythonpath
 
 SPEC = """\
 name: {name}
@@ -33,7 +34,7 @@ def start_launch(tmp_path: Path, name: str, seconds: float, sd_dir: Path) -> tup
     spec = tmp_path / f"{name}.yaml"
     spec.write_text(SPEC.format(name=name, seconds=seconds))
     out = tmp_path / f"runs-{name}"
-    env = {**os.environ, metrics_endpoint.SD_DIR_ENV: str(sd_dir), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, metrics_endpoint.SD_DIR_ENV: str(sd_dir), "PYTHONPATH": pythonpath()}
     with open(tmp_path / f"{name}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "launcher", str(spec), "--out", str(out), "--quiet"],
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

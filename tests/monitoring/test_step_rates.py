@@ -29,6 +29,7 @@ from launcher.control.metrics_endpoint import RATE_WINDOW_S
 from tests.conftest import REPO
 from tests.monitoring.conftest import Prometheus
 from tests.monitoring.test_prometheus_scrape import dashboard_queries, repo_scrape_config
+from tests.integration.faultkit import pythonpath
 
 JOB = "step_rates"
 SECONDS, STEP_S, SAMPLES_PER_STEP = 30, 0.02, 8
@@ -91,7 +92,7 @@ def test_readme_and_dashboard_step_rates_are_right_from_the_third_scrape(tmp_pat
     prom = start_prometheus(repo_scrape_config(tmp_path, sd_dir))  # 1 s scrapes
     spec = tmp_path / "rates.yaml"
     spec.write_text(SPEC.replace("TRACE_DIR", json.dumps(str(trace_dir))))
-    env = {**os.environ, "GPULAUNCH_PROM_SD_DIR": str(sd_dir), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "GPULAUNCH_PROM_SD_DIR": str(sd_dir), "PYTHONPATH": pythonpath()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher", str(spec), "--out", str(tmp_path / "runs"), "--quiet"],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.integration.faultkit import pythonpath
 
 SPEC = """\
 name: straggler
@@ -35,7 +36,7 @@ class LiveRun:
         self.out_dir = tmp_path / "runs"
         self.lines: list[str] = []
         self.straggler_gauge: dict[str, float] = {}  # rank -> the last gpulaunch_straggler value seen as 1
-        env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "GPULAUNCH_PROM_SD_DIR": str(tmp_path / "sd")}
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "COLUMNS": "200", "GPULAUNCH_PROM_SD_DIR": str(tmp_path / "sd")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launcher", str(spec), "--out", str(self.out_dir)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,

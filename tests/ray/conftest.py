@@ -35,6 +35,7 @@ import pytest
 from launcher import procutil
 from launcher.procutil import pid_alive, wait_gone
 from tests.ports import unshared_port
+from tests.integration.faultkit import pythonpath
 
 pytest.importorskip("ray")
 
@@ -100,7 +101,7 @@ def launch(*args: str, env: dict | None = None, timeout: float = 180) -> subproc
     return subprocess.run(
         [sys.executable, "-m", "launcher", *args],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        env={**os.environ, "PYTHONPATH": pythonpath(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

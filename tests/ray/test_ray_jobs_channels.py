@@ -23,6 +23,7 @@ from typing import Iterator
 import pytest
 
 from tests.ray.conftest import RayHead, launch
+from tests.integration.faultkit import pythonpath
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +85,7 @@ def test_a_cli_run_ships_what_its_job_needs_keeps_its_log_for_people_and_has_one
                     "resources: {cpu_workers: 2}\ntimeouts: {rendezvous_s: 60, run_s: 300}\n")  # fmt: skip
     with open(job_dir / "big.bin", "wb") as handle:
         handle.truncate(60 * 1024**2)
-    env = {**ray_head.env, "PYTHONPATH": f"{Path(__file__).resolve().parents[2]}:{job_dir}", "COLUMNS": "300"}
+    env = {**ray_head.env, "PYTHONPATH": pythonpath(Path(__file__).resolve().parents[2], job_dir), "COLUMNS": "300"}
     args = (str(spec), "--address", ray_head.address, "--out", str(out))
     with listening_socket(job_dir / "ray.sock"):
         before = _submission_ids(ray_head)

@@ -23,6 +23,7 @@ import pytest
 
 from launcher.procutil import pid_alive, wait_gone
 from tests.ray.conftest import REPO, RayHead, descendants, launch, wait_no_orphans
+from tests.integration.faultkit import pythonpath
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +138,7 @@ def _start_sleeping(head: RayHead, tmp: Path, name: str) -> SleepingRun:
     log = tmp / "launch.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "launcher", str(spec), "--address", head.address, "--out", str(tmp / "out")],
-                                cwd=REPO, env={**head.env, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp}"}, stdout=out, stderr=subprocess.STDOUT)
+                                cwd=REPO, env={**head.env, "PYTHONPATH": pythonpath(REPO, tmp)}, stdout=out, stderr=subprocess.STDOUT)
     return SleepingRun(name, proc, log)
 
 
