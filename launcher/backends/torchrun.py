@@ -178,7 +178,9 @@ class TorchrunStage(StageHandle):
         stop_groups([proc for _, _, proc in self._agents if proc.poll() is None], grace_s)
         # Belt and braces: workers also die with their agent (parent-death signal), but a rank
         # that outlived both is found by the pid and start time in its progress file.
-        kill_now(list(stage_worker_pids(self.plan.stage_dir).values()))
+        outlived = list(stage_worker_pids(self.plan.stage_dir).values())
+        if outlived:  # none after a stage that ended by itself: nothing to load psutil for
+            kill_now(outlived)
 
     def signal_ranks(self, signum: int) -> None:
         for transport, nodes in self._transports().items():

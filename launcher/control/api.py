@@ -22,8 +22,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 import yaml
 
 from launcher import backends
+from launcher.control import cpuclock
 from launcher.control.planning import RunSizing, check_node_split, checkpoint_root, make_plans, plan_stage, size_run
-from launcher.control.resume import LAUNCH_FILE, LaunchRecord, check_checkpoint_dirs, check_unchanged, finished_stages, record_launch, set_aside
+from launcher.control.resume import (
+    LAUNCH_FILE, LaunchRecord, check_checkpoint_dirs, check_unchanged, finished_stages, nothing_to_resume, record_launch, set_aside,
+)  # fmt: skip
 from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import EXIT_BAD_INPUT, LauncherError, PlanError
 from launcher.masking import mask_env
@@ -33,8 +36,8 @@ from launcher.results.aggregate import aggregate
 from launcher.results.hooks import make_plots, run_summarize, workload_module
 from launcher.results.series import default_summary
 from launcher.results.record import RunRecord
-from launcher.results.store import RunResult, write_result
-from launcher.runtime.devices import discover
+from launcher.results.store import RunResult, load_result, write_result
+from launcher.runtime.devices import NodeInventory, discover
 from launcher.spec.model import LoadedJob, load_job
 from launcher.stage.engine import LaunchRequest, StageEngine, Submission, Submitter
 from launcher.protocol import StagePaths
@@ -216,6 +219,9 @@ def _one_connection_per_host(fn: _Fn) -> _Fn:
 
     @functools.wraps(fn)
     def scoped(*args: Any, **kwargs: Any) -> Any:
+        job = args[0] if args else kwargs.get("job")
+        if isinstance(job, LoadedJob) and cluster_path(job, kwargs.get("cluster")) is None:
+            return fn(*args, **kwargs)  # no cluster file: no SSH client to load
         from launcher.backends.ssh import connection_scope
 
         with connection_scope():
@@ -233,21 +239,25 @@ def dry_run(
     cluster: str | None = None,
     address: str | None = None,
     inventory: str | Path | None = None,
+    preflight: bool = False,
 ) -> DryRun:
     """The plans and what would be started for each (a scheduler's: what would be submitted,
     planned on the nodes it would grant, or on placeholders it says it could not check).
     ``inventory``: a recorded node (``launch devices --json``, an NVML recording) to plan on
-    instead of this machine, or of every host of the cluster file (no host is logged in to)."""
+    instead of this machine, or of every host of the cluster file. A cluster file's hosts are
+    logged in to (GPUs, addresses checked) only with ``preflight``; else they are planned as
+    written, with what only a login would tell assumed, and said."""
     runner = resolve(job, backend, cluster, address)
     run_dir = Path(out).resolve() / job.spec.name / "<run-id>"
-    if inventory is not None:
+    if inventory is not None or (cluster_path(job, cluster) is not None and not preflight and not isinstance(runner, Submitter)):
         if isinstance(runner, Submitter):
             raise LauncherError(
                 f"--inventory: the {runner.name} backend plans on the nodes its scheduler grants; "
                 f"--inventory plans a run of this machine or of a cluster file's hosts",
                 exit_code=EXIT_BAD_INPUT,
             )
-        return _dry_run_on(job, runner, recorded_nodes(job, cluster, inventory), run_dir)
+        given = recorded_nodes(job, cluster, inventory) if inventory is not None else assumed_nodes(job, cluster)
+        return _dry_run_on(job, runner, given, run_dir)
     if isinstance(runner, Submitter):
         nodes = runner.target_nodes(job, dry_run=True)
         sizing = size_run(job, nodes) if nodes else None
@@ -270,16 +280,42 @@ def recorded_nodes(job: LoadedJob, cluster: str | None, inventory: str | Path) -
         recorded = load_inventory(inventory, visible_override=job.spec.env.get("CUDA_VISIBLE_DEVICES"))
     except InventoryFileError as exc:
         raise LauncherError(str(exc), exit_code=EXIT_BAD_INPUT) from None
-    path = cluster_path(job, cluster)
-    if path is None:
+    if cluster_path(job, cluster) is None:
         return [NodeTarget(name=recorded.hostname, address="127.0.0.1", inventory=recorded, python=sys.executable)]
+    return _cluster_hosts_as(job, cluster, recorded)
+
+
+def assumed_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
+    """A cluster file's hosts as written, for a dry run that logs in to none: the GPUs the spec
+    names (``gpus_per_node: N``; with ``auto``, none known: CPU workers, or one GPU where the spec
+    demands ``device: cuda``) and this machine's CPU count stand in for what a login would tell."""
+    from launcher.runtime.devices import GpuInfo, usable_cpu_count
+
+    res = job.spec.resources
+    counted = isinstance(res.gpus_per_node, int)
+    gpus = 0 if res.device == "cpu" else res.gpus_per_node if isinstance(res.gpus_per_node, int) else (1 if res.device == "cuda" else 0)
+    what = f"{gpus} GPU(s) per host as resources.gpus_per_node says" if counted else (
+        f"{gpus} GPU per host" if gpus else "no GPU (resources.cpu_workers ranks per host)")  # fmt: skip
+    cpus = usable_cpu_count()
+    note = (
+        f"hosts not logged in to: planned as written with {what} and this machine's {cpus} CPU(s) assumed, "
+        f"the rendezvous port picked at the start; --preflight logs in and checks them, --inventory FILE plans them as a recorded node"
+    )
+    placeholder = tuple(GpuInfo(i, i, "GPU (assumed)", 0, None, None, f"assumed-{i}") for i in range(gpus))
+    return _cluster_hosts_as(job, cluster, NodeInventory("", cpus, placeholder, "assumed", None, (note,)))
+
+
+def _cluster_hosts_as(job: LoadedJob, cluster: str | None, inventory: NodeInventory) -> list[NodeTarget]:
+    """Every host of the cluster file, each given ``inventory`` (under its own name): no login."""
     from launcher.spec.cluster import load_cluster
 
+    path = cluster_path(job, cluster)
+    assert path is not None
     check_node_split(job)
     hosts = load_cluster(path).hosts
     check_cluster_size(job, len(hosts), path)
     return [
-        NodeTarget(name=h.name, address=h.address, inventory=replace(recorded, hostname=h.name), python=h.python, ifname=h.ifname, ssh=h)
+        NodeTarget(name=h.name, address=h.address, inventory=replace(inventory, hostname=h.name), python=h.python, ifname=h.ifname, ssh=h)
         for h in hosts
     ]
 
@@ -337,6 +373,7 @@ def run_job(
     into (the launcher inside a scheduler's job gets the one its submitter chose). ``resume``:
     continue the run in ``run_dir`` (``launch resume``): its finished stages are kept, the others
     run again and their jobs load their last checkpoints."""
+    cpuclock.begin()  # the launcher's own CPU by phase (result.json's phases.launcher_cpu_s)
     loaded = job if isinstance(job, LoadedJob) else load_job(job, list(overrides))
     events = events or PlainEvents()
     stop = StopRequest() if stop is None else stop  # an unset StopRequest is falsy
@@ -354,6 +391,7 @@ def run_job(
         pool = HostPool.of(loaded, checked)  # hosts beyond resources.nodes are spares
         nodes = pool.active
         sizing = size_run(loaded, nodes)  # impossible requests fail here, before anything is spawned
+    cpuclock.mark("preflight")
     run_id = Path(run_dir).name if run_dir else new_run_id()
     run_dir = Path(run_dir) if run_dir else Path(out).resolve() / loaded.spec.name / run_id
     found: list[str] = []
@@ -363,13 +401,16 @@ def run_job(
     if not resume and not (run_dir / LAUNCH_FILE).exists():
         record_launch(loaded, run_dir, backend, cluster_path(loaded, cluster))
     kept = finished_stages(run_dir) if resume else {}
+    cpuclock.mark("run_dir")
     started = time.time()
     for line in found:
         events.message(line)
     for line in preflight_lines(preflight):
         events.message(line)
     with _stop_on_signals(stop), _serving_metrics(loaded, run_id, runner.name, events, metrics) as watched:
+        cpuclock.mark("metrics")
         with runner.session(loaded):
+            cpuclock.mark("session")
             if pool is None:  # a Ray cluster, a Slurm allocation: plan on what it has, known once connected
                 pool = HostPool(runner.pool_nodes(loaded), [])
                 sizing = size_run(loaded, pool.active)
@@ -414,6 +455,10 @@ def resume_run(
     record = LaunchRecord.read(folder)
     loaded = load_job(record.spec, list(record.overrides))
     check_unchanged(loaded, record, folder)
+    if (done := nothing_to_resume(folder, record.spec)) is not None:  # a run that succeeded: its record stays as it is, byte for byte
+        said, result = done
+        (events or PlainEvents()).message(said)
+        return RunResult(result, folder, tuple(str(folder / p) for p in result.get("plots") or ()))
     return run_job(loaded, backend=record.backend, cluster=record.cluster, run_dir=folder, resume=True, events=events, stop=stop, metrics=metrics)
 
 
@@ -543,6 +588,7 @@ def finish_run(
     record = aggregate(
         outcomes, job=loaded.spec.name, run_id=run_id, backend=backend_name, spec=masked_spec(loaded),
         spec_hash=loaded.spec.fingerprint(), params=loaded.params, started_at=started, cut_short=cut_short,
+        previous=load_result(run_dir),  # a run resumed: its record so far, every attempt of it kept
     )  # fmt: skip
     module, summary = _summary(loaded, record)
     record = replace(record, run_dir=str(run_dir), summary=summary, preflight=preflight, skipped_worlds=tuple(skipped))
@@ -553,6 +599,7 @@ def finish_run(
         record, plots=plots, plot_error=plot_error, tensorboard=tensorboard, tensorboard_error=tensorboard_error,
         phases={**record.phases, "aggregate": round(time.time() - t_agg, 4)},
     )  # fmt: skip
+    record = replace(record, launcher_cpu=cpuclock.record())  # up to here: the launcher's own CPU by phase
     write_result(run_dir, record)
     run = RunResult.of(record, run_dir)
     events.finished(run)

@@ -226,11 +226,10 @@ class MetricsEndpoint:
     """
 
     def __init__(self, *, rate_window_s: float = RATE_WINDOW_S, clock: Any = time.monotonic, sd_sweep_s: float = SD_SWEEP_S) -> None:
-        from prometheus_client import CollectorRegistry
-
-        self.registry: CollectorRegistry = CollectorRegistry(auto_describe=False)
+        self.registry: CollectorRegistry | None = None  # made when serving starts (prometheus_client imported then)
         self._collector = _Collector()
-        self.registry.register(self._collector)
+        self._starting: threading.Thread | None = None  # start(wait=False): the serving's set-up, on its own thread
+        self._wake_r = self._wake_w = -1  # close() writes to the pipe the serving loop watches
         self._rate_window_s = rate_window_s
         self._clock = clock
         self._rates: dict[tuple[str, int, int], _StepRate] = {}
@@ -244,7 +243,10 @@ class MetricsEndpoint:
         self.port: int | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
-    def start(self, host: str = "127.0.0.1", port: int = 0, *, sd_dir: os.PathLike[str] | str | None = None, sd_name: str | None = None) -> int:
+    def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, sd_dir: os.PathLike[str] | str | None = None, sd_name: str | None = None,
+        wait: bool = True,
+    ) -> int:
         """Serve ``/metrics`` on ``host:port`` (0: a free port); returns the bound port.
 
         ``sd_dir``: also write ``<sd_dir>/<sd_name>.json``, a Prometheus file-SD target list
@@ -252,19 +254,36 @@ class MetricsEndpoint:
         free port needs no configuration; removed again by :meth:`close`. Before writing it, and
         every ``sd_sweep_s`` until :meth:`close`, the files there whose launcher is gone go
         (:func:`sweep_sd_dir`).
-        """
-        from prometheus_client import start_http_server
 
-        if self._server is not None:
+        ``wait=False``: return once the port is bound (a port in use still raises here); the rest
+        (importing prometheus_client, the server thread, the discovery file) goes on on a thread of
+        its own, so a launcher spawns its ranks meanwhile; a scrape that comes first waits in the
+        socket's backlog. ``close`` waits for it.
+        """
+        if self._server is not None or self._starting is not None:
             raise RuntimeError(f"metrics endpoint already serving on {self.url}")
+        listener = _listen(host, port)
+        self.host, self.port = host, int(listener.getsockname()[1])
+        if wait:
+            self._serve(listener, sd_dir, sd_name)
+        else:
+            self._starting = threading.Thread(target=self._serve, args=(listener, sd_dir, sd_name), name="gpulaunch-metrics-start", daemon=True)
+            self._starting.start()
+        return self.port
+
+    def _serve(self, listener: socket.socket, sd_dir: os.PathLike[str] | str | None, sd_name: str | None) -> None:
         try:
-            started = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
-        if not isinstance(started, tuple):  # prometheus-client < 0.18 returns nothing to stop
-            raise RuntimeError("the metrics endpoint needs prometheus-client >= 0.18")
-        self._server, self._thread = started
-        self.host, self.port = host, int(self._server.server_address[1])
+            from prometheus_client import CollectorRegistry
+
+            self.registry = CollectorRegistry(auto_describe=False)
+            self.registry.register(self._collector)
+            self._server = _http_server(listener, self.registry)
+        except BaseException:
+            listener.close()
+            raise
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=_serve_until_woken, args=(self._server, self._wake_r), name="gpulaunch-metrics", daemon=True)
+        self._thread.start()
         if sd_dir is not None:
             directory = Path(sd_dir)
             sweep_sd_dir(directory)
@@ -272,7 +291,6 @@ class MetricsEndpoint:
             self._sweeping.clear()
             self._sweeper = threading.Thread(target=self._sweep, args=(directory,), name="gpulaunch-sd-sweep", daemon=True)
             self._sweeper.start()
-        return self.port
 
     def _sweep(self, directory: Path) -> None:
         while not self._sweeping.wait(self._sd_sweep_s):
@@ -292,6 +310,9 @@ class MetricsEndpoint:
 
     def close(self) -> None:
         """Stop serving and free the port; idempotent."""
+        if self._starting is not None:
+            self._starting.join(timeout=10)
+            self._starting = None
         self._sweeping.set()
         if self._sweeper is not None:
             self._sweeper.join(timeout=5)
@@ -302,11 +323,13 @@ class MetricsEndpoint:
             self._sd_file = None
         server, thread = self._server, self._thread
         self._server = self._thread = None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
         if thread is not None:
+            os.write(self._wake_w, b"x")  # the serving loop ends now, not at its next poll
             thread.join(timeout=5)
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+        if server is not None:
+            server.server_close()
 
     def __enter__(self) -> "MetricsEndpoint":
         return self
@@ -341,6 +364,55 @@ class MetricsEndpoint:
             self._collector.sample = None
             self._collector.rates = {}
         self._rates.clear()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (port 0: a free one), as prometheus_client's own server
+    would bind it (the address's family, SO_REUSEADDR); a port in use says which."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family, backlog=64)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def _http_server(listener: socket.socket, registry: CollectorRegistry) -> Any:
+    """prometheus_client's WSGI server for ``registry`` (what its ``start_http_server`` makes, quiet
+    handler included) on the bound ``listener``; the caller runs its ``serve_forever``."""
+    from wsgiref.simple_server import WSGIRequestHandler
+
+    from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            pass
+
+    class Server(ThreadingWSGIServer):
+        address_family = listener.family
+
+    server = Server(listener.getsockname()[:2], QuietHandler, bind_and_activate=False)
+    server.socket.close()
+    server.socket = listener
+    server.server_address = address = listener.getsockname()
+    server.server_name, server.server_port = str(address[0]), int(address[1])  # what HTTPServer.server_bind sets (no reverse DNS lookup)
+    server.setup_environ()
+    server.set_app(make_wsgi_app(registry))
+    return server
+
+
+def _serve_until_woken(server: Any, wake: int) -> None:
+    """``server.serve_forever``, but ended at once by a byte on ``wake`` (``serve_forever`` and its
+    ``shutdown`` look for the end only between polls: every run's end waited up to 0.5 s for it)."""
+    import selectors
+
+    with selectors.DefaultSelector() as selector:
+        selector.register(server.socket, selectors.EVENT_READ)
+        selector.register(wake, selectors.EVENT_READ)
+        while True:
+            ready = selector.select()
+            if any(key.fd == wake for key, _ in ready):
+                return
+            server.handle_request()  # a connection is waiting: accepted now, served on its own thread
 
 
 def _write_sd_file(directory: Path, name: str, target: str) -> Path:

@@ -30,7 +30,9 @@ class MetricsEvents(RunEvents):
 
     def start(self, port: int) -> str:
         """Bind (port 0: a free one), announce it for Prometheus's file discovery; the URL."""
-        self.endpoint.start(port=port, sd_dir=default_sd_dir(), sd_name=f"{self.job}-{self.run_id}")
+        # the port now (a port in use is refused before anything starts); serving and the discovery
+        # file on a thread of their own, while the ranks start
+        self.endpoint.start(port=port, sd_dir=default_sd_dir(), sd_name=f"{self.job}-{self.run_id}", wait=False)
         return self.endpoint.url
 
     def close(self) -> None:

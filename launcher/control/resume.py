@@ -70,6 +70,22 @@ def check_unchanged(job: LoadedJob, record: LaunchRecord, run_dir: Path) -> None
         )
 
 
+def nothing_to_resume(run_dir: Path, spec: str) -> tuple[str, dict[str, Any]] | None:
+    """A run whose record says it succeeded: what to say (nothing to resume) and that record,
+    left as it is; None for a run there is something to go on with."""
+    result = read_json(run_dir / "result.json")
+    if not isinstance(result, dict) or result.get("status") != RunStatus.SUCCEEDED.value:
+        return None
+    sizes = ", ".join(str(s.get("world_size")) for s in result.get("stages") or ()) or "none"
+    wall = result.get("wall_s")
+    took = f" in {wall:.1f} s" if isinstance(wall, (int, float)) else ""
+    return (
+        f"launch resume {run_dir}: nothing to resume; the run succeeded{took} (world sizes {sizes}) and its result.json "
+        f"stays as it is; to run the job again: launch {spec}",
+        result,
+    )
+
+
 def finished_stages(run_dir: Path) -> dict[int, StageOutcome]:
     """The stages of a run's last ``result.json`` that succeeded, rebuilt from their records and
     reports (world size -> outcome); none when the run ended without one (it was killed)."""

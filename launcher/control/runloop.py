@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from launcher.control import cpuclock
 from launcher.control.diagnosis import explain_failure
 from launcher.control.hangs import Stall, StallWatch, diagnose, stacks_text
 from launcher.control.restarts import AttemptProgress, attempt_record, classify, decide, error_signature
@@ -146,9 +147,12 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
     stragglers = StragglerWatch(plan.stragglers)
     handle: StageHandle | None = None
     try:
+        cpuclock.mark("plan")
         handle = engine.start(plan, logs)  # an engine that cannot start has stopped what it started
+        cpuclock.mark("spawn")
         watch = _watch(handle, state, stop=stop, events=events, stragglers=stragglers, stalls=StallWatch(plan.hang))
     finally:
+        cpuclock.mark("running")  # the launcher's CPU after this is the stage's end (cpuclock.AFTER_EXIT)
         if handle is not None:
             handle.stop()
             handle.collect()
@@ -179,6 +183,7 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
             reason, reports, state.rank_exits(), detail=status.detail, run_timeout_s=plan.run_timeout_s, stop_reason=stop.reason
         )
         outcome.rendezvous_port_in_use = status.rendezvous_port_in_use
+    cpuclock.mark("stage_end")
     return outcome, progress
 
 

@@ -7,10 +7,11 @@ launcher's commit: the record BENCHMARKS.md's GPU section is made from.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
@@ -18,7 +19,7 @@ from launcher.control.api import run_job
 from launcher.results.store import RunResult
 from launcher.spec.cluster import load_cluster
 from launcher.spec.model import load_job
-from launcher.stage.watch import RunEvents
+from launcher.stage.watch import PlainEvents, RunEvents, TeeEvents
 
 SPEC = Path(__file__).resolve().parents[1] / "workloads" / "selftest.yaml"
 REPORT_FILE = "selftest.json"
@@ -52,11 +53,45 @@ def run_selftest(
     if cluster is not None:  # every host of the file, at once: the cross-node all-reduce spans them
         sets.append(f"resources.nodes={len(load_cluster(Path(cluster)).hosts)}")
     job = load_job(SPEC, [*sets, *overrides])
-    result = run_job(job, out=out, cluster=cluster, events=events, metrics=False)
+    result = run_job(job, out=out, cluster=cluster, events=PlannedStraggler(events or PlainEvents()), metrics=False)
     report = selftest_report(result.data, level)
     path = result.run_dir / REPORT_FILE
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return SelftestOutcome(result, report, path)
+
+
+class PlannedStraggler(TeeEvents):
+    """The selftest's events as the user sees them: the straggler its last rank is on purpose (the
+    straggler check) is said once, as that check, while it is flagged; not as a straggler of the
+    machine, and not again under the summary (result.json keeps it in ``stages[].stragglers``)."""
+
+    _FLAGGED = re.compile(r"^straggler: rank (?P<rank>\d+) on (?P<rest>.*)$")
+    _CLEARED = re.compile(r"^rank (?P<rank>\d+) on .* caught up after [\d.]+ s as a straggler$")
+
+    def __init__(self, events: RunEvents) -> None:
+        super().__init__(events)
+        self._planned: int | None = None
+        self._said = False
+
+    def stage_started(self, job: str, world_size: int, device_type: str, backend: str) -> None:
+        self._planned = world_size - 1 if world_size > 1 else None  # the selftest slows its last rank (workloads.selftest)
+        super().stage_started(job, world_size, device_type, backend)
+
+    def message(self, text: str) -> None:
+        flagged, cleared = self._FLAGGED.match(text), self._CLEARED.match(text)
+        found = flagged or cleared
+        if found is None or self._planned is None or int(found["rank"]) != self._planned:
+            super().message(text)
+        elif flagged and not self._said:
+            self._said = True
+            super().message(f"straggler check: rank {found['rank']}, slowed on purpose by the selftest, was flagged as it should be: {found['rest']}")
+
+    def finished(self, result: RunResult) -> None:
+        stages = [  # each stage's last rank is its planned straggler
+            {**s, "stragglers": [x for x in s.get("stragglers") or () if x.get("rank") != int(s.get("world_size") or 0) - 1]}
+            for s in result.data.get("stages") or ()
+        ]
+        super().finished(replace(result, data={**result.data, "stages": stages}))
 
 
 def selftest_report(result: Mapping[str, Any], level: str) -> dict[str, Any]:

@@ -104,6 +104,12 @@ class StageState:
         if known is not None and known.status in _FINAL and report.status not in _FINAL:
             return  # a "stopped" written by a host's wrapper never hides what the rank said itself
         self.reports[report.rank] = report
+        steps = report.metrics.get("steps") if isinstance(report.metrics, Mapping) else None
+        beacon = self.beacons.get(report.rank)
+        if isinstance(steps, int) and not isinstance(steps, bool) and beacon is not None and steps > beacon.steps:
+            # the rank's own count at its end is exact; its last beacon, written up to half a second
+            # before, may lag: how far the attempt got (and the steps a restart does again) is the report's
+            self.beacons[report.rank] = replace(beacon, steps=steps)
         if report.status == RankStatus.FAILED and report.error is not None:
             self._errors[report.rank] = report.error
         else:

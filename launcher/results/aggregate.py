@@ -9,11 +9,12 @@ timeline, the failure if any. The job's own summary and plots are added afterwar
 from __future__ import annotations
 
 import time
+from dataclasses import fields, replace
 from statistics import median
 from typing import Any, Mapping, Sequence
 
 from launcher.protocol import RankReport
-from launcher.records import Failure, RunStatus, StageOutcome
+from launcher.records import AttemptRecord, Failure, FailureClass, RunStatus, StageOutcome, Straggler
 from launcher.results.record import RunRecord, StageRecord
 
 PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")
@@ -72,18 +73,76 @@ def _rank_entry(report: RankReport, started_at: float) -> dict[str, Any]:
     return entry
 
 
-def _stage_record(stage: StageOutcome) -> StageRecord:
+def _attempt_start(stage: StageOutcome) -> float:
+    """When the attempt whose ranks' reports the stage holds (its last) started: its phases and
+    its ranks' timelines count from there, not from the stage's first start."""
+    return stage.attempts[-1].started_at if stage.attempts else stage.started_at
+
+
+def _stage_record(stage: StageOutcome, before: Mapping[str, Any] | None = None) -> StageRecord:
+    """The stage's record; ``before``: the same stage in the run's previous record (``launch
+    resume``), whose attempts come first, whose wall time and restarts add up with these."""
+    earlier = tuple(attempt_from_doc(a) for a in (before or {}).get("attempts") or ())
+    attempts = earlier + tuple(replace(a, attempt=a.attempt + len(earlier)) for a in stage.attempts)
+    wall = stage.ended_at - stage.started_at + _number((before or {}).get("wall_s"))
     return StageRecord(
         world_size=stage.world_size,
         status=stage.status,
-        restarts=stage.restarts,
-        wall_s=round(stage.ended_at - stage.started_at, 4),
-        phases=stage_phases(stage.started_at, stage.reports, script=stage.script, ended_at=stage.ended_at),
+        restarts=stage.restarts + int(_number((before or {}).get("restarts"))),
+        wall_s=round(wall, 4),
+        phases=stage_phases(_attempt_start(stage), stage.reports, script=stage.script, ended_at=stage.ended_at),
         failure=stage.failure,
-        stragglers=tuple(stage.stragglers),
+        stragglers=tuple(_stragglers((before or {}).get("stragglers"))) + tuple(stage.stragglers),
         load_avg=dict(stage.load_avg),
-        attempts=tuple(stage.attempts),
+        attempts=attempts,
     )
+
+
+def _kept_stage(doc: Mapping[str, Any]) -> StageRecord:
+    """A stage that had succeeded before a ``launch resume`` (not run again), as it was recorded."""
+    load = doc.get("load_avg") or {}
+    return StageRecord(
+        world_size=int(doc["world_size"]),
+        status=RunStatus(doc["status"]),
+        restarts=int(_number(doc.get("restarts"))),
+        wall_s=_number(doc.get("wall_s")),
+        phases=dict(doc.get("phases") or {}),
+        stragglers=tuple(_stragglers(doc.get("stragglers"))),
+        load_avg={str(k): (float(v[0]), float(v[1]), float(v[2])) for k, v in load.items()},
+        attempts=tuple(attempt_from_doc(a) for a in doc.get("attempts") or ()),
+    )
+
+
+def _is_kept(stage: StageOutcome, before: Mapping[str, Any] | None) -> bool:
+    """A stage ``launch resume`` kept: it succeeded in the previous record and did not run now
+    (every stage the run loop ran has its attempts)."""
+    return before is not None and before.get("status") == RunStatus.SUCCEEDED.value and stage.ok and not stage.attempts
+
+
+def attempt_from_doc(doc: Mapping[str, Any]) -> AttemptRecord:
+    """An attempt as ``result.json`` holds it, typed again."""
+    known = {f.name for f in fields(AttemptRecord)}
+    values = {k: v for k, v in doc.items() if k in known}
+    values["status"] = RunStatus(values.get("status", RunStatus.FAILED.value))
+    values["failure_class"] = FailureClass(values["failure_class"]) if values.get("failure_class") else None
+    values.setdefault("started_at", 0.0)
+    values.setdefault("ended_at", values["started_at"])
+    values.setdefault("attempt", 0)
+    return AttemptRecord(**values)
+
+
+def _stragglers(docs: Any) -> list[Straggler]:
+    known = {f.name for f in fields(Straggler)}
+    out = []
+    for doc in docs or ():
+        values = {k: v for k, v in doc.items() if k in known}
+        values["peak_ratio"] = values.get("peak_ratio") or 0.0
+        out.append(Straggler(**values))
+    return out
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def run_status(stages: Sequence[StageOutcome]) -> RunStatus:
@@ -105,25 +164,64 @@ def aggregate(
     started_at: float,
     finished_at: float | None = None,
     cut_short: Failure | None = None,
+    previous: Mapping[str, Any] | None = None,
 ) -> RunRecord:
     """The run's record (without the job's summary, its plots and the aggregate phase).
     ``cut_short``: why the run ended before its stages did (a stage could not start, a stop came
-    between stages): its status and failure then, the stages that finished kept."""
-    records = tuple(_stage_record(s) for s in stages)
-    ranks = tuple(_rank_entry(r, s.started_at) for s in stages for r in s.reports)
+    between stages): its status and failure then, the stages that finished kept.
+
+    ``previous``: the run's last complete record (``result.json``, when ``launch resume`` goes on
+    with it): nothing of it is lost. A stage it had finished is kept as it was (its ranks too); a
+    stage run again keeps its earlier attempts before the new ones; the run's start is the first
+    launch's, its ``parts`` every launch (start, end, wall time, status, the gap before it), its
+    wall time theirs summed, the gaps not counted, and its steps per rank every attempt's."""
+    previous = previous if previous and previous.get("run_id") == run_id and previous.get("stages") is not None else None
+    before = {int(s["world_size"]): s for s in (previous or {}).get("stages") or ()}
+    records = tuple(
+        _kept_stage(before[s.world_size]) if _is_kept(s, before.get(s.world_size)) else _stage_record(s, before.get(s.world_size))
+        for s in stages
+    )
+    kept = {s.world_size for s in stages if _is_kept(s, before.get(s.world_size))}
+    old_ranks = [r for r in (previous or {}).get("ranks") or () if r.get("world_size") in kept]
+    ranks = tuple(
+        r for s in stages
+        for r in ([x for x in old_ranks if x.get("world_size") == s.world_size] if s.world_size in kept
+                  else [_rank_entry(x, _attempt_start(s)) for x in s.reports])
+    )  # fmt: skip
     failed = next((s for s in stages if not s.ok), None)
     finished_at = time.time() if finished_at is None else finished_at
-    totals = {p: round(sum(s.phases[p] or 0.0 for s in records), 4) for p in PHASES}
+    totals = {p: round(sum(s.phases[p] or 0.0 for s in records if s.world_size not in kept), 4) for p in PHASES}
     status = run_status(stages) if cut_short is None else cut_short.reason.status
     failure = cut_short if cut_short is not None else (failed.failure if failed else None)
+    parts = run_parts(previous, started_at, finished_at, status)
     return RunRecord(
         job=job, run_id=run_id, backend=backend, status=status, spec_hash=spec_hash, spec=dict(spec), params=dict(params),
-        started_at=started_at, finished_at=finished_at, phases=totals, stages=records, ranks=ranks, failure=failure,
-        summary={"steps_per_rank": steps_per_rank(ranks)},
+        started_at=parts[0]["started_at"] if parts else started_at, finished_at=finished_at, phases=totals, stages=records,
+        ranks=ranks, failure=failure, summary={"steps_per_rank": steps_per_rank(ranks, records)}, parts=parts,
     )  # fmt: skip
 
 
-def steps_per_rank(ranks: Sequence[Mapping[str, Any]]) -> float | None:
-    steps = [r.get("metrics", {}).get("steps") for r in ranks if r.get("metrics")]
-    steps = [s for s in steps if isinstance(s, int)]
-    return median(steps) if steps else None
+def run_parts(previous: Mapping[str, Any] | None, started_at: float, finished_at: float, status: RunStatus) -> tuple[dict[str, Any], ...]:
+    """Every launch of a run that ``launch resume`` went on with, oldest first (none for a run
+    launched once): when each started and ended, its wall time, how it ended, and the time
+    between the one before it and it (``gap_s``: not the run's, nothing of it ran)."""
+    if previous is None:
+        return ()
+    earlier: list[dict[str, Any]] = [dict(p) for p in previous.get("parts") or ()]
+    if not earlier:  # a record of a run launched once: its one part is the whole record
+        start = _number(previous.get("started_at"))
+        end = _number(previous.get("finished_at")) or start
+        earlier = [{"started_at": start, "finished_at": end, "wall_s": round(_number(previous.get("wall_s")) or end - start, 4),
+                    "status": previous.get("status"), "gap_s": None}]  # fmt: skip
+    gap = round(max(0.0, started_at - _number(earlier[-1].get("finished_at"))), 4)
+    now = {"started_at": started_at, "finished_at": finished_at, "wall_s": round(finished_at - started_at, 4), "status": status.value, "gap_s": gap}
+    return (*earlier, now)
+
+
+def steps_per_rank(ranks: Sequence[Mapping[str, Any]], stages: Sequence[StageRecord] = ()) -> float | None:
+    """The median rank's steps over the whole run: its own count in the attempt that wrote its
+    report, plus the steps of its stage's earlier attempts (restarts, a run resumed)."""
+    earlier = {s.world_size: sum(a.steps for a in s.attempts[:-1]) for s in stages}
+    steps = [(r.get("metrics") or {}).get("steps") for r in ranks if r.get("metrics")]
+    counted = [s + earlier.get(r.get("world_size", 0), 0) for s, r in zip(steps, (r for r in ranks if r.get("metrics"))) if isinstance(s, int)]
+    return median(counted) if counted else None

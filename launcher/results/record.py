@@ -72,6 +72,12 @@ class RunRecord:
     tensorboard_error: str | None = None
     preflight: PreflightRecord | None = None  # the hosts checked before the start: left out, spares, links
     skipped_worlds: tuple[SkippedWorld, ...] = ()  # listed world sizes the nodes could not run: why, what would
+    # the launcher's own CPU seconds (not its agents' or ranks'): before_spawn, after_exit, total,
+    # by_phase (launcher.control.cpuclock); in the document as phases.launcher_cpu_s
+    launcher_cpu: Mapping[str, Any] | None = None
+    # a run ``launch resume`` went on with: every launch of it (started_at, finished_at, wall_s,
+    # status, gap_s: the time since the one before); none for a run launched once
+    parts: tuple[Mapping[str, Any], ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -84,6 +90,9 @@ class RunRecord:
 
     @property
     def wall_s(self) -> float:
+        """The run's wall time: a resumed run's launches summed, the time between them left out."""
+        if self.parts:
+            return round(sum(float(p["wall_s"]) for p in self.parts), 4)
         return round(self.finished_at - self.started_at, 4)
 
     @property
@@ -106,7 +115,7 @@ class RunRecord:
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "wall_s": self.wall_s,
-            "phases": dict(self.phases),
+            "phases": dict(self.phases) if self.launcher_cpu is None else {**self.phases, "launcher_cpu_s": dict(self.launcher_cpu)},
             "restarts": self.restarts,
             "stages": [s.to_dict() for s in self.stages],
             "ranks": [dict(r) for r in self.ranks],
@@ -121,6 +130,9 @@ class RunRecord:
             doc["preflight"] = self.preflight.to_dict()
         if self.skipped_worlds:
             doc["skipped_worlds"] = [s.to_dict() for s in self.skipped_worlds]
+        if self.parts:
+            doc["parts"] = [dict(p) for p in self.parts]
+            doc["gaps_s"] = round(sum(float(p.get("gap_s") or 0.0) for p in self.parts), 4)
         optional = {"plots": list(self.plots), "plot_error": self.plot_error, "tensorboard": self.tensorboard,
                     "tensorboard_error": self.tensorboard_error}  # fmt: skip
         doc.update({k: v for k, v in optional.items() if v is not None})

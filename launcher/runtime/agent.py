@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from multiprocessing.context import ForkServerProcess
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
         entrypoint, entry_args = forked_rank, [forked_config]
     _serve_store_on_rendezvous_address()
+    _tails_end_when_told()
     forwarder = _forwarder(int(args.node_rank), config.nproc_per_node)
     try:
         return _launch(config, entrypoint, entry_args, args, forked_config, oom_before)
@@ -128,7 +130,7 @@ def _serve_store_on_rendezvous_address() -> None:
     """The stage's store, which node 0's agent hosts for every rank (torchrun's static
     rendezvous), listening on the rendezvous address alone (``--master-addr``: 127.0.0.1 for a
     stage on this machine) instead of on every interface, through ``TCPStore(master_listen_fd=...)``
-    (``launcher.runtime.worker.serve_store``; torch's TCPStore has no option to bind one address).
+    (``launcher.runtime.store.serve_store``; torch's TCPStore has no option to bind one address).
     The static rendezvous builds its store through its module's ``TCPStore``: the server is made
     here, a client (the other nodes' agents) as before. Where the address is a name, or one this
     machine does not hold, torch's own store serves it as before."""
@@ -137,7 +139,7 @@ def _serve_store_on_rendezvous_address() -> None:
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
 
-    from launcher.runtime.worker import serve_store
+    from launcher.runtime.store import serve_store
 
     def store(
         host_name: str, port: int, world_size: int | None = None, is_master: bool = False, timeout: timedelta = timedelta(seconds=300), **options: Any
@@ -149,6 +151,47 @@ def _serve_store_on_rendezvous_address() -> None:
         return TCPStore(host_name, port, world_size, is_master, timeout, **options)
 
     static_tcp_rendezvous.TCPStore = store  # type: ignore[assignment,misc]
+
+
+class _WakingClock:
+    """``time`` for torch's log tailers, whose ``sleep`` between two reads of a rank's log ends as
+    soon as the tailer is told to stop (its ``finished`` event), not a whole interval later."""
+
+    def __init__(self) -> None:
+        self.finished = threading.local()
+
+    def sleep(self, seconds: float) -> None:
+        event = getattr(self.finished, "event", None)
+        if event is None:
+            time.sleep(seconds)
+        else:
+            event.wait(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def _tails_end_when_told() -> None:
+    """With ``--tee``, torch copies each rank's log to the agent's output with one tailer thread per
+    file that reads, then sleeps 0.1 s; once the ranks have exited the agent waits for every tailer
+    to finish its sleep (up to 0.1 s, then another poll) before it can exit, and the launcher waits
+    for the agent. Here the sleep ends when the tailer is told to stop: the same reads to the end of
+    each file, no wait. A torch whose tailer is not this shape is left as it is."""
+    try:
+        from torch.distributed.elastic.multiprocessing import tail_log
+    except ImportError:
+        return
+    tail = getattr(tail_log, "tail_logfile", None)
+    if tail is None or getattr(tail_log, "time", None) is not time:
+        return
+    clock = _WakingClock()
+
+    def tail_logfile(header: str, file: str, dst: Any, finished: Any, *args: Any, **kwargs: Any) -> Any:
+        clock.finished.event = finished
+        return tail(header, file, dst, finished, *args, **kwargs)
+
+    tail_log.time = clock  # type: ignore[assignment]
+    tail_log.tail_logfile = tail_logfile
 
 
 def _without_traceback(record: Any) -> bool:

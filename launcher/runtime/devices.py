@@ -14,14 +14,15 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from launcher.runtime.nvml import NvmlInventory, health_problems, read_inventory
-
 if TYPE_CHECKING:
     import torch
+
+    from launcher.runtime.nvml import NvmlInventory  # NVML's module is imported where a GPU may be read
 
 NVIDIA_SMI_FIELDS = "index,name,memory.total,memory.used,utilization.gpu,uuid"
 NVIDIA_SMI_ARGS = ("--query-gpu=" + NVIDIA_SMI_FIELDS, "--format=csv,noheader,nounits")
@@ -169,8 +170,21 @@ def run_nvidia_smi() -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+# What NVIDIA's kernel driver leaves on a machine with its GPUs (a container given GPUs included;
+# /dev/dxg: WSL2's GPU). Where none is there, neither NVML nor nvidia-smi can see a GPU, and loading
+# NVML to be told so costs every launch on a CPU machine ~20-30 ms before its ranks start.
+NVIDIA_DEVICE_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg")
+
+
+def nvidia_device_nodes() -> bool:
+    """Whether this machine may have an NVIDIA GPU (anything but Linux: assumed it may)."""
+    return not sys.platform.startswith("linux") or any(os.path.exists(p) for p in NVIDIA_DEVICE_NODES)
+
+
 def gpus_from_nvml(inventory: NvmlInventory) -> list[GpuInfo]:
     """NVML's readings as this module's GpuInfo (physical numbering: CUDA_VISIBLE_DEVICES applies after)."""
+    from launcher.runtime.nvml import health_problems
+
     return [
         GpuInfo(
             index=g.index,
@@ -191,6 +205,11 @@ def _physical_gpus(query: Callable[[], str | None] | None, nvml: Any | None, sou
     """Every GPU of the node and where the list came from: NVML (in process, no subprocess to
     start) unless the caller hands nvidia-smi output, then nvidia-smi. None: no driver at all."""
     if query is None:
+        if nvml is None and not nvidia_device_nodes():  # a machine without NVIDIA's driver: no NVML to load
+            notes.append("no NVIDIA driver found (no /dev/nvidiactl, /proc/driver/nvidia or /dev/dxg)")
+            return None, "none"
+        from launcher.runtime.nvml import read_inventory
+
         inventory = read_inventory(nvml)
         if inventory is not None:
             return gpus_from_nvml(inventory), "nvml"

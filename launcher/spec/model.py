@@ -416,12 +416,16 @@ def _apply_overrides(sourced: SourcedData, overrides: list[str] | tuple[str, ...
     locations = dict(sourced.locations)
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key = key.strip()  # "params.iters = 5": spaces around the "=" as YAML allows them around its ":"
         if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_0-9][\w]*)*", key):
-            problems.append(f"--set {item}: expected key.path=value, e.g. --set resources.cpu_workers=4")
+            problems.append(_bad_override(item, key, sep))
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+        except yaml.YAMLError as exc:
+            if raw.lstrip()[:1] in ("[", "{", '"', "'"):  # meant as a YAML list, mapping or quoted text: not plain text
+                problems.append(_bad_yaml_value(key, raw.strip(), exc))
+                continue
             value = raw
         inside = _not_a_mapping(data, key)
         if inside is not None:
@@ -437,6 +441,26 @@ def _apply_overrides(sourced: SourcedData, overrides: list[str] | tuple[str, ...
     if problems:
         raise SpecError(problems)
     return SourcedData(data, locations, sourced.origin)
+
+
+def _bad_override(item: str, key: str, sep: str) -> str:
+    """A ``--set`` that is not FIELD=VALUE, in the spec's terms, with the right form."""
+    form = "expected FIELD=VALUE: a field of the spec as a dotted path and its value as YAML, e.g. --set params.iters=50"
+    if not sep:
+        return f"--set {item}: no '=' in it; {form}"
+    if not key:
+        return f"--set {item}: no field before the '='; {form}"
+    return f"--set {item}: '{key}' is not a field path (names of letters, digits and _, joined by single dots); {form}"
+
+
+def _bad_yaml_value(key: str, raw: str, exc: yaml.YAMLError) -> str:
+    """A ``--set`` value that starts a YAML list, mapping or quoted text and does not end it."""
+    pairs = (("[", "]", "list"), ("{", "}", "mapping"))
+    unclosed = next((f"its {what} is not closed (no '{close}' for its '{open_}')" for open_, close, what in pairs
+                     if raw.count(open_) > raw.count(close)), None)  # fmt: skip
+    why = unclosed or f"{getattr(exc, 'problem', None) or 'it does not parse'}"
+    example = {"[": f"--set '{key}=[1, 2]'", "{": f"--set '{key}={{name: value}}'"}.get(raw[:1], f"--set '{key}=\"some text\"'")
+    return f"--set {key}={raw}: the value is not valid YAML: {why}; quote the whole of it for the shell, e.g. {example}"
 
 
 def _not_a_mapping(data: Any, dotted: str) -> str | None:

@@ -185,7 +185,7 @@ def node_env(
     if not multi_node and target.ssh is None:
         # every rank on this machine: gloo's pair listeners and NCCL's bootstrap listen on loopback
         # alone (gloo would take whatever the hostname resolves to; NCCL the first non-loopback
-        # interface), as the store does (runtime.worker.serve_store, on a rendezvous at 127.0.0.1)
+        # interface), as the store does (runtime.store.serve_store, on a rendezvous at 127.0.0.1)
         env["GLOO_SOCKET_IFNAME"] = LOOPBACK_IFNAME
         env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     elif target.ifname:

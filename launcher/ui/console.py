@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -106,6 +107,7 @@ def summary_renderables(result: Mapping[str, Any], *, traceback_shown: bool = Fa
         for s in result["stages"]
     ]
     out.append(_FittedTable(f"{result['job']} [{result['backend']}]: {result['status']}", _STAGE_COLUMNS, stage_rows))
+    out.extend(history_renderables(result))
     out.extend(timer_renderables(result))
     summary = result.get("summary") or {}
     if summary.get("rows"):
@@ -123,6 +125,30 @@ def summary_renderables(result: Mapping[str, Any], *, traceback_shown: bool = Fa
         out.append(Text(f"the job's plots failed: {result['plot_error']}", style="yellow"))
     if result.get("failure"):
         out.extend(failure_renderables(result["failure"], traceback_shown=traceback_shown))
+    return out
+
+
+def history_renderables(result: Mapping[str, Any]) -> list[Any]:
+    """A run restarted or resumed: every attempt of every stage (how it ended, its steps, the
+    checkpoint step it resumed from, the steps lost), and the launches the wall time sums."""
+    stages = result.get("stages") or ()
+    parts = result.get("parts") or ()
+    if not parts and all(len(s.get("attempts") or ()) <= 1 for s in stages):
+        return []
+    rows = [
+        (str(s["world_size"]), str(a.get("attempt", 0) + 1), str(a.get("status")), str(a.get("failure_class") or "-"), str(a.get("steps", 0)),
+         _cell(a.get("resumed_step")), _cell(a.get("lost_steps")),
+         _seconds(a["ended_at"] - a["started_at"]) if isinstance(a.get("ended_at"), (int, float)) and isinstance(a.get("started_at"), (int, float)) else "-")
+        for s in stages for a in s.get("attempts") or ()
+    ]  # fmt: skip
+    columns = (_Col("world"), _Col("attempt"), _Col("status"), _Col("class"), _Col("steps"), _Col("from step"), _Col("lost steps"), _Col("wall s"))
+    out: list[Any] = [_FittedTable("attempts (result.json: stages[].attempts)", columns, rows)] if rows else []
+    if parts:
+        gaps = sum(float(p.get("gap_s") or 0.0) for p in parts)
+        out.append(Text(
+            f"{len(parts)} launches (launch resume {len(parts) - 1} time(s)): wall time {float(result.get('wall_s') or 0.0):.1f} s, "
+            f"theirs summed; {gaps:.1f} s between them, when nothing ran, not counted", style="dim",
+        ))  # fmt: skip
     return out
 
 
@@ -174,7 +200,11 @@ def failure_renderables(failure: Mapping[str, Any], *, traceback_shown: bool = F
     """The failure in a few lines: what failed where, the traceback once (the job's own frames;
     ``traceback_shown``: it already scrolled by as the rank's output), who was stopped because of it."""
     if failure.get("reason") == "interrupted":
-        return [Text(f"INTERRUPTED: {failure['summary']}; every rank was stopped, and what had finished is kept", style="bold yellow")]
+        summary, command = resume_hint(str(failure["summary"]))
+        said: list[Any] = [Text(f"INTERRUPTED: {summary}; every rank was stopped, and what had finished is kept", style="bold yellow")]
+        if command:  # on a line of its own, whole: pasted as printed, it is the whole command
+            said.append(WholeLine(f"continue with: {command}", style="bold"))
+        return said
     if failure.get("reason") == "hung" and failure.get("hang"):
         return hang_renderables(failure["hang"])
     out: list[Any] = [Text(f"FAILED: {failure['summary']}", style="bold red")]
@@ -210,11 +240,32 @@ def hang_renderables(hang: Mapping[str, Any]) -> list[Any]:
     return out
 
 
+_RESUME_HINT = re.compile(r"[;,]? *continue with: launch resume (?P<dir>.+)$")
+
+
+def resume_hint(summary: str) -> tuple[str, str | None]:
+    """A stop's summary without its "continue with: launch resume DIR", and that command (the
+    directory quoted for a shell where it needs it), or None where the summary has none."""
+    found = _RESUME_HINT.search(summary)
+    if found is None:
+        return summary, None
+    return summary[: found.start()].rstrip(" ;,"), f"launch resume {shlex.quote(found['dir'].strip())}"
+
+
+class WholeLine(Text):
+    """A line that holds a command or a path: ``RunUI`` prints it whole, never wrapped or cut,
+    whatever the console's width and whether or not it is a terminal (a terminal narrower than the
+    line shows it folded, but a copy of it is the line as it is)."""
+
+
 LOG_TAIL_SHOWN = 6
 # the launcher's own code inside a rank, and torch's elastic agent: kept in the logs, not shown
 _OWN_FRAMES = (f"{os.sep}launcher{os.sep}runtime{os.sep}", f"{os.sep}torch{os.sep}distributed{os.sep}elastic{os.sep}")
 # torchelastic's own chatter while the launcher tears a group down (in the agent's log, not the console)
-_AGENT_NOISE = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ .*torch/distributed/elastic/|^gpulaunch-agent: stopped by ")
+_AGENT_NOISE = re.compile(
+    r"^[IWE]\d{4} [\d:.]+ \d+ .*torch/distributed/elastic/|^gpulaunch-agent: stopped by "
+    r"|^[IWE]\d{4} [\d:.]+ \d+ \S*spawn\.py:\d+\] Terminating process \d+ via signal"  # torch's own line as it stops a group
+)
 
 
 class TracebackFilter:
@@ -473,7 +524,7 @@ class RunUI(RunEvents):
     def show_result(self, result: Mapping[str, Any], run_dir: Any, *, live: bool = False) -> None:
         # a root cause's traceback scrolled by as its rank's output when this run echoed the ranks
         for thing in summary_renderables(result, traceback_shown=live and self.echo_ranks):
-            self.console.print(thing)
+            self.console.print(thing, soft_wrap=isinstance(thing, WholeLine))
         for plot in result.get("plots") or ():
             self.console.print(Text(f"plot: {run_dir}/{plot}"), soft_wrap=True)
         self.console.print(Text(f"run directory: {run_dir}", style="bold"), soft_wrap=True)

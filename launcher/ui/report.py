@@ -55,7 +55,10 @@ def _headline(result: dict[str, Any]) -> str:
     summary = result.get("summary") or {}
     failure = result.get("failure") or {}
     if failure:
-        return str(failure.get("summary", ""))[:120]
+        from launcher.ui.console import resume_hint
+
+        said, command = resume_hint(str(failure.get("summary", "")))  # a command is never cut: the run's row says where
+        return said[:120] + ("; launch resume goes on with it" if command else "")
     if summary.get("headline"):
         return str(summary["headline"])
     parts = [f"{result['wall_s']:.1f} s"] if isinstance(result.get("wall_s"), (int, float)) else []

@@ -39,7 +39,7 @@ from launcher.runtime.nvml import GpuClocks
 from launcher.workloads.measure import clocks_dict, gpu_sampler, host_barrier_group, machine_state, set_threads, sync, torch_dtype, trial_loop
 from launcher.workloads.params import Count, DtypeName, NonNegative, Sizes, ThreadsPerRank, WorkloadParams
 from launcher.workloads.plotting import integer_ticks, legend_below, save_figure, values, yerr
-from launcher.workloads.stats import NOISY_SPREAD, SUPERLINEAR, Stat, flags_for, pct, rnd, span, stat, stat_fields, times, times_range
+from launcher.workloads.stats import NOISY_SPREAD, SUPERLINEAR, Stat, doubts_in_words, flags_for, pct, rnd, span, stat, stat_fields, times, times_range
 
 
 class Params(WorkloadParams):
@@ -284,14 +284,14 @@ def _conclusions(rows: list[dict[str, Any]], p: Params, base_ws: int | None, dev
     for row in (r for r in rows if r["size"] == largest and r["workers"] != base_ws and r["efficiency"] is not None):
         measured = (f"{row['gflops']:.1f} GFLOP/s in total (trials {row['gflops_range']}) vs {row['workers']} x "
                     f"{base_row['gflops'] / base_ws:.1f} for one worker" if base_row else f"{row['gflops']:.1f} GFLOP/s")
-        doubts = list(row["flags"])
-        doubts += [f"{base_ws} worker(s) {f}" for f in (base_row or {}).get("flags", [])]
+        doubts = doubts_in_words(row["flags"], row["workers"])
+        doubts += doubts_in_words((base_row or {}).get("flags", []), base_ws, baseline=True)
         if not fair:
             doubts.append("not like for like")
         if doubts:
             out.append(
                 f"{row['workers']} workers at n={largest}: the measured scaling efficiency, {pct(row['efficiency'])} "
-                f"(range {pct(row['efficiency_min'])}-{pct(row['efficiency_max'])}), is not a result: "
+                f"(range {pct(row['efficiency_min'])}-{pct(row['efficiency_max'])}), cannot be trusted: "
                 f"{', '.join(doubts)} ({measured}); rerun on a quieter machine or with more trials"
                 + ("; above 100% cannot come from adding workers of the same size" if "super-linear" in row["flags"] else "")
             )

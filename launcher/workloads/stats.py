@@ -146,3 +146,19 @@ def times_range(lo: float | None, hi: float | None, more: str = "faster", less: 
     if hi < 1:
         return f"{1 / hi:.{digits}f}-{1 / lo:.{digits}f}x {less}"
     return f"{1 / lo:.{digits}f}x {less} to {hi:.{digits}f}x {more}"
+
+
+# what a row's flag says of the run it marks, in words a reader takes in at once
+_FLAG_WORDS = {
+    "busy": "ran on a busy machine",
+    "noisy": "varied widely from trial to trial",
+    "single-trial": "had a single trial",
+    "super-linear": "reads above linear scaling",
+}
+
+
+def doubts_in_words(flags: list[str], workers: int | None, *, baseline: bool = False) -> list[str]:
+    """A row's flags as clauses: "the 2-worker run ran on a busy machine", "the 1-worker
+    baseline varied widely from trial to trial"."""
+    who = f"the {workers}-worker {'baseline' if baseline else 'run'}"
+    return [f"{who} {_FLAG_WORDS.get(flag, flag)}" for flag in flags]

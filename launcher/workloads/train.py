@@ -32,7 +32,7 @@ from launcher.workloads.fairness import busy_stages, load_words, threads_words
 from launcher.workloads.measure import machine_state, set_threads
 from launcher.workloads.params import Count, NonNegative, Positive, ThreadsPerRank, WorkloadParams
 from launcher.workloads.plotting import devices_label, integer_ticks, legend_below, save_figure, values, yerr
-from launcher.workloads.stats import Stat, flags_for, pct, rnd, span, stat
+from launcher.workloads.stats import Stat, doubts_in_words, flags_for, pct, rnd, span, stat
 
 
 class Params(WorkloadParams):
@@ -318,12 +318,12 @@ def _conclusions(rows: list[dict[str, Any]], fair_words: str, fair: bool, load: 
         out.append(f"{row['workers']} worker(s) on {where}: {rate}; epochs {row['epochs']}, test accuracy {row['test_acc']:.1%}")
     base, last = rows[0], rows[-1]
     if len(rows) > 1 and last["efficiency"] is not None:
-        doubts = [*last["flags"], *(f"{base['workers']} worker(s) {f}" for f in base["flags"])]
+        doubts = [*doubts_in_words(last["flags"], last["workers"]), *doubts_in_words(base["flags"], base["workers"], baseline=True)]
         if not fair:
             doubts.append("not like for like")
         eff = f"{pct(last['efficiency'])} (range {pct(last['efficiency_min'])}-{pct(last['efficiency_max'])})"
         if doubts:
-            out.append(f"{last['workers']} workers: the measured {eff} of linear scaling in samples/s is not a result: "
+            out.append(f"{last['workers']} workers: the measured {eff} of linear scaling in samples/s cannot be trusted: "
                        f"{', '.join(doubts)}; rerun on a quieter machine or with more epochs")
         else:
             out.append(f"{last['workers']} workers reach {eff} of linear scaling in samples/s")

@@ -260,7 +260,7 @@ def test_ranks_a_scheduler_put_on_one_node_meet_on_its_loopback(tmp_path: Path) 
 def test_the_store_listens_on_the_address_it_is_given_and_nowhere_else() -> None:
     import torch.distributed as dist
 
-    from launcher.runtime.worker import serve_store, store_listener
+    from launcher.runtime.store import serve_store, store_listener
 
     server = serve_store("127.0.0.1", 0, timedelta(seconds=10))
     assert server is not None

@@ -66,7 +66,8 @@ def test_sigterm_saves_at_the_next_step_and_launch_resume_finishes_the_same_run(
     args = ["jobs/ddp_train.yaml", "--out", str(tmp_path), "--quiet"]
     for item in (WRAPPER, *EPOCHS, "params.kill_at=-1", f"params.marker={tmp_path / 'unused'}", "params.step_sleep_s=0.15"):
         args += ["--set", item]
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "COLUMNS": "80"})  # fmt: skip
     try:
         beacon = _wait_for_steps(tmp_path, 6)
         os.kill(proc.pid, signal.SIGTERM)  # a spot VM's notice, a scheduler's stop
@@ -85,6 +86,7 @@ def test_sigterm_saves_at_the_next_step_and_launch_resume_finishes_the_same_run(
     assert 6 <= saved < 24 and attempt["lost_steps"] == 0, attempt  # saved where it stopped: nothing lost
     assert f"its last checkpoint is step {saved}; continue with: launch resume {run_dir}" in failure["summary"]
     assert "stop notice sent to every rank" in out
+    assert f"continue with: launch resume {run_dir}" in out.splitlines(), out  # printed at 80 columns, piped: one whole line
     assert all(r["result"]["stopped_early"] for r in result["ranks"])
     assert pids_mentioning(str(run_dir)) == []
 
@@ -92,9 +94,24 @@ def test_sigterm_saves_at_the_next_step_and_launch_resume_finishes_the_same_run(
     assert done.returncode == 0, done.stdout + done.stderr
     resumed = json.loads((run_dir / "result.json").read_text())
     assert resumed["status"] == "succeeded" and resumed["run_id"] == result["run_id"]
-    assert resumed["stages"][0]["attempts"][0]["resumed_step"] == saved
+    stopped, finished = resumed["stages"][0]["attempts"]  # append-only: the stopped attempt kept, the resumed one after it
+    assert stopped == attempt and (finished["attempt"], finished["status"], finished["resumed_step"]) == (1, "succeeded", saved), finished
+    first_part, second_part = resumed["parts"]
+    assert first_part["wall_s"] == result["wall_s"] and second_part["gap_s"] >= 0 and resumed["started_at"] == result["started_at"]
+    assert resumed["wall_s"] == round(first_part["wall_s"] + second_part["wall_s"], 4) > result["wall_s"]  # both launches, the gap not
+    assert resumed["stages"][0]["wall_s"] >= (stopped["ended_at"] - stopped["started_at"]) + (finished["ended_at"] - finished["started_at"]) - 0.01
+    per_rank = {r["rank"]: r["metrics"]["steps"] for r in resumed["ranks"]}
+    assert resumed["summary"]["steps_per_rank"] == stopped["steps"] + sorted(per_rank.values())[0] and finished["steps"] + saved == 24, per_rank
     assert {r["result"]["model_sha256"] for r in resumed["ranks"]} == sha_of(uninterrupted)
     assert (run_dir / "world2" / "resumed1" / "reports" / "rank0.json").is_file()  # the stopped attempt's, set aside
+
+    # a run that succeeded has nothing to resume: its record stays as it is, byte for byte
+    before = (run_dir / "result.json").read_bytes()
+    again = launch("resume", str(run_dir))
+    assert again.returncode == 0 and "nothing to resume; the run succeeded" in again.stdout + again.stderr, again.stdout + again.stderr
+    assert "resumes from it" not in again.stdout + again.stderr and (run_dir / "result.json").read_bytes() == before
+    listed = launch("runs", "--out", str(tmp_path))
+    assert f"{resumed['wall_s']:.1f} s, 24 steps/rank" in " ".join(listed.stdout.split()), listed.stdout  # the whole run's
 
 
 def test_resume_refuses_a_spec_that_changed_and_a_directory_that_is_no_run(tmp_path) -> None:

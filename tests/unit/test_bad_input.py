@@ -131,8 +131,8 @@ CASES = [
           "--set resources.cpu_workers=64")),
     Case("nodes-without-cluster", BASE + "resources: {nodes: 2}\n", ("resources.nodes: 2 node(s) requested but 1 available",)),
     # --- flags --------------------------------------------------------------------------------------
-    Case("set-without-equals", BASE, ("--set resources.cpu_workers: expected key.path=value",), argv=("--set", "resources.cpu_workers")),
-    Case("set-bad-key", BASE, ("--set", "expected key.path=value"), argv=("--set", "a..b=1")),
+    Case("set-without-equals", BASE, ("--set resources.cpu_workers: no '=' in it; expected FIELD=VALUE", "e.g. --set params.iters=50"), argv=("--set", "resources.cpu_workers")),
+    Case("set-bad-key", BASE, ("--set a..b=1: 'a..b' is not a field path", "expected FIELD=VALUE"), argv=("--set", "a..b=1")),
     Case("set-unknown-field", BASE, ("--set resources.gpus: unknown key",), argv=("--set", "resources.gpus=2")),
     Case("set-wrong-type", BASE, ("--set resources.cpu_workers: expected", "abc"), argv=("--set", "resources.cpu_workers=abc")),
     Case("set-boolean-for-a-number", BASE, ("--set timeouts.run_s: expected a valid number (got True)",), argv=("--set", "timeouts.run_s=true")),

@@ -96,7 +96,7 @@ def test_overrides_parse_yaml_values_and_name_the_flag(tmp_path):
     (line,) = problems(path, ["resources.cpu_workers=many"])
     assert line.startswith("--set resources.cpu_workers: expected")
     (line,) = problems(path, ["novalue"])
-    assert line.startswith("--set novalue: expected key.path=value")
+    assert line.startswith("--set novalue: no '=' in it; expected FIELD=VALUE")
 
 
 def test_extends_merges_defaults_under_the_spec(tmp_path):
