@@ -19,7 +19,7 @@ from launcher.checkpoints import job_identity
 from launcher.errors import PlanError
 from launcher.protocol import StagePaths, WorkerConfig, rank_device
 from launcher.records import HangPolicy, RestartPolicy, SkippedWorld, StragglerPolicy
-from launcher.stage.plan import LOOPBACK_ADDR, NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
+from launcher.stage.plan import LOOPBACK_ADDR, auto_world_sizes, NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
 
 if TYPE_CHECKING:  # pydantic and yaml: the planner itself needs neither
     from launcher.spec.model import LoadedJob
@@ -112,17 +112,6 @@ def check_node_split(job: LoadedJob) -> None:
             f"{job.path}: scaling.workers: no world size of {list(sizes)} divides over {nodes} nodes "
             f"(resources.nodes); use multiples of {nodes}, or --set scaling.workers=auto"
         )
-
-
-def auto_world_sizes(capacity: int, node_count: int) -> list[int]:
-    """``scaling.workers: auto``: every node with 1, 2, 4, ... ranks up to the ranks a node runs,
-    and all of them where that is not a power of two (one node of 6 GPUs: 1, 2, 4, 6)."""
-    per_node = capacity // node_count
-    ladder, k = [], 1
-    while k < per_node:
-        ladder.append(k * node_count)
-        k *= 2
-    return [*ladder, capacity]
 
 
 def world_sizes(job: LoadedJob, capacity: int, node_count: int, device_type: str = "cpu") -> tuple[list[int], list[SkippedWorld]]:

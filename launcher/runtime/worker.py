@@ -424,8 +424,10 @@ def _init_group(dist: Any, config: WorkerConfig, device: Any, store: Any, rank: 
     }
     if config.collective_timeout_s is not None:  # else torch's per-backend default applies
         kwargs["timeout"] = timedelta(seconds=config.collective_timeout_s)
-    if device.type == "cuda":
-        kwargs["device_id"] = device  # eager NCCL init: a bad GPU fails here, not at the first collective
+    if device.type == "cuda" and config.pg_backend == "nccl":
+        # eager NCCL init: a bad GPU fails here, not at the first collective (gloo over CUDA
+        # tensors, where ranks share a GPU, binds no device: its collectives stage through the host)
+        kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
     store.set_timeout(kwargs.get("timeout") or _default_collective_timeout(config.pg_backend))
 

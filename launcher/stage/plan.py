@@ -145,6 +145,18 @@ class StagePlan:
         }
 
 
+def auto_world_sizes(capacity: int, node_count: int) -> list[int]:
+    """``scaling.workers: auto``: every node with 1, 2, 4, ... ranks up to the ranks a node runs,
+    and all of them where that is not a power of two (one node of 6 GPUs: 1, 2, 4, 6)."""
+    per_node = capacity // node_count
+    ladder, k = [], 1
+    while k < per_node:
+        ladder.append(k * node_count)
+        k *= 2
+    return [*ladder, capacity]
+
+
+
 # --- the environment a node's ranks start with ----------------------------------------------------
 
 

@@ -11,6 +11,7 @@ each test checks that no step, rank or agent is left on any node."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -23,7 +24,8 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.slurm.slurmrig import SlurmRig
+from tests.netns import netns_pids
+from tests.slurm.slurmrig import SlurmRig, alive
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +129,7 @@ def queue(rig: SlurmRig) -> list[str]:
 
 def slurm_state(rig: SlurmRig, job_id: str) -> str:
     """The job's state in Slurm's own record: ``scontrol show job`` (the rig keeps no accounting,
-    so no sacct; slurmctld remembers an ended job MinJobAge = 5 s at least: ask at once)."""
+    so no sacct; the rig's slurmctld remembers an ended job MinJobAge = 300 s)."""
     return rig.job(job_id)["JobState"]
 
 
@@ -257,6 +259,43 @@ def test_a_lost_node_fails_the_run_naming_it(make_slurm_rig, launcher, tmp_path:
     assert rig.wait_clean(10).get("n2") is None, "n2's step outlived the job"
 
 
+def test_a_batch_host_lost_just_after_its_script_was_reported_ended_is_named(make_slurm_rig, launcher, tmp_path: Path):
+    """The lost batch host's worst timing, forced: its batch script is killed and reported ended
+    (FAILED, exit code 0:9) by its slurmstepd a moment before the rest of the node goes (the
+    node's slurmd and every other process held still meanwhile, so that nothing of it answers or
+    cleans up). The job is no longer RUNNING when the node is found gone: the launch outside still
+    names the node, not "ended FAILED without the launcher inside writing a result"."""
+    rig: SlurmRig = make_slurm_rig(slurmd_timeout=5)
+    run = launcher(rig, str(write_spec(tmp_path, "lost-script-first", params={"fault": "sleep"})))
+    run.wait_running(2)
+    job_id = run.job_id()
+    ns = rig.node("n1").ns
+
+    def cmdline(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return ""
+
+    pids = {pid: cmdline(pid) for pid in netns_pids(ns) if alive(pid)}
+    shells = [pid for pid, cmd in pids.items() if "slurm_script" in cmd]
+    stepd = [pid for pid, cmd in pids.items() if cmd.startswith(f"slurmstepd: [{job_id}.batch]")]
+    assert len(shells) == 1 and len(stepd) == 1, pids
+    for pid in set(pids) - {*shells, *stepd}:  # slurmd, the launcher inside, its steps: held still
+        os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    os.kill(shells[0], signal.SIGKILL)
+    rig.wait_for("the batch script reported ended", lambda: slurm_state(rig, job_id) != "RUNNING", 20, 0.05)
+    rig.kill_node("n1")
+    assert run.wait(90) == 1, run.output()
+    teardown = time.monotonic() - t0
+    result = result_of(run.run_dir())
+    assert result["failure"]["summary"].startswith("lost node n1 ("), result["failure"]
+    print(f"batch host n1 lost after its script was reported ended -> launch exited 1 after {teardown:.1f}s: {result['failure']['summary']}")
+    assert teardown < 3 * rig.slurmd_timeout + 5, run.output()
+    assert rig.wait_clean(10).get("n2") is None, "n2's step outlived the job"
+
+
 STOP_ROUNDS = 3  # the bug this guards against (FAILED in Slurm's record) came in 2 of 5 stops on another rig
 
 
@@ -362,7 +401,7 @@ def test_dry_run_prints_the_sbatch_script_and_each_nodes_srun_line(slurm_rig: Sl
         f"$ sbatch --parsable {run_dir}/job.sbatch", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=1",
         "#SBATCH --partition=debug", "#SBATCH --qos=normal", "#SBATCH --time=0:14:00", f"#SBATCH --output={run_dir}/slurm-%j.out",
         "#SBATCH --requeue", "#SBATCH --signal=B:USR1@90", "#SBATCH --open-mode=append",  # preemption: warned, saved, requeued
-        "#SBATCH --mem=0", f"{sys.executable} -m launcher.control.submitted slurm '{run_dir}' &",
+        "#SBATCH --mem=0", f"exec {sys.executable} -m launcher.control.submitted slurm '{run_dir}' ) &",
     ):  # fmt: skip
         assert line in out, (line, out)
     assert "[n1] $ srun --nodes=1 --ntasks=1 --nodelist=n1 --cpus-per-task=1" in out and "--node-rank=1" in out, out

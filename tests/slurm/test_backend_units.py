@@ -88,6 +88,34 @@ def test_the_gpu_partition_says_what_it_has(tmp_path):
     assert "partition gpu has 2 nodes with 32 CPUs and 4 GPUs, 1 node with 16 CPUs and 2 GPUs" in str(info.value)
 
 
+def test_ranks_sharing_a_gpu_ask_slurm_for_the_gpus_and_a_cpu_per_rank(tmp_path):
+    """resources.ranks_per_gpu: k ranks on each GPU: Slurm is asked for the GPUs (not the ranks)
+    per node, and one CPU per rank (GPUs x k), partition known or not; the dry run says so."""
+    shared = "{nodes: 2, gpus_per_node: 2, ranks_per_gpu: 4}"
+    known = allocation_for(job(tmp_path, "slurm: {partition: gpu}\n", resources=shared), GPU)
+    assert (known.partition, known.nodes, known.gpus_per_node, known.cpus_per_task, known.ranks_per_gpu) == ("gpu", 2, 2, 8, 4)
+    assert known.describe().startswith("2 node(s) x 8 CPU(s), 2 GPU(s) shared by 4 ranks each (8 ranks per node) in partition gpu")
+    unknown = allocation_for(job(tmp_path, resources=shared), None)
+    assert (unknown.partition, unknown.nodes, unknown.gpus_per_node, unknown.cpus_per_task, unknown.ranks_per_gpu) == (None, 2, 2, 8, 4)
+    assert "2 GPU(s) shared by 4 ranks each (8 ranks per node) in the default partition" in unknown.describe()
+    auto = allocation_for(job(tmp_path, resources="{nodes: 2, gpus_per_node: auto, ranks_per_gpu: 3}"), GPU)
+    assert (auto.gpus_per_node, auto.cpus_per_task) == (2, 6)  # the fewest GPUs any node has, 3 ranks on each
+    cuda = allocation_for(job(tmp_path, resources="{nodes: 1, device: cuda, ranks_per_gpu: 2}"), None)
+    assert (cuda.gpus_per_node, cuda.cpus_per_task) == (1, 2)  # one GPU where unknown, two ranks on it
+    pinned = allocation_for(job(tmp_path, "slurm: {cpus_per_task: 3}\n", resources=shared), GPU)
+    assert (pinned.gpus_per_node, pinned.cpus_per_task) == (2, 3)  # slurm.cpus_per_task wins
+    cpu = allocation_for(job(tmp_path, resources="{nodes: 2, device: cpu, cpu_workers: 2, ranks_per_gpu: 4}"), DEBUG)
+    assert (cpu.gpus_per_node, cpu.cpus_per_task, cpu.ranks_per_gpu) == (0, 2, 1) and "shared" not in cpu.describe()  # ignored on the CPU
+    script = sbatch_script(job(tmp_path, resources=shared), known, Path("/r"), python="p", cwd=Path("/"))
+    assert "#SBATCH --cpus-per-task=8\n#SBATCH --gpus-per-node=2\n" in script
+    with pytest.raises(PlanError) as info:  # 3 nodes have 2 GPUs or more, only g1 and g2 have 20 CPUs
+        allocation_for(job(tmp_path, resources="{nodes: 3, gpus_per_node: 2, ranks_per_gpu: 10}"), GPU)
+    assert "resources.ranks_per_gpu: 10 ranks on each of 2 GPU(s), one CPU per rank: 20 CPU(s) per node on 3 node(s) requested" in str(info.value)
+    with pytest.raises(PlanError) as info:
+        allocation_for(job(tmp_path, resources="{nodes: 2, gpus_per_node: 4, ranks_per_gpu: 16}"), GPU)
+    assert "64 CPU(s) per node on 2 node(s) requested, but partition gpu has 2 nodes with 32 CPUs and 4 GPUs" in str(info.value)
+
+
 def test_the_sbatch_script(tmp_path):
     loaded = job(tmp_path, "slurm: {partition: gpu, account: proj, qos: high, constraint: a100&ib, extra_sbatch: [--mem=64G, --exclusive]}\n")
     alloc = allocation_for(loaded, GPU)
@@ -101,8 +129,11 @@ def test_the_sbatch_script(tmp_path):
         "#SBATCH --chdir=/shared/proj", "#SBATCH --export=ALL", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@90",
         "#SBATCH --open-mode=append", "#SBATCH --mem=64G", "#SBATCH --exclusive",
     ]  # fmt: skip
-    assert lines[0] == "#!/bin/bash" and "/opt/venv/bin/python -m launcher.control.submitted slurm /shared/runs/tiny/r1 &" in lines
-    assert lines.index("export GPULAUNCH_SLURM_INSIDE=1") < lines.index("trap '' USR2 USR1") and lines[-1] == 'exit "$code"'
+    started = [ln for ln in lines if "/opt/venv/bin/python -m launcher.control.submitted slurm /shared/runs/tiny/r1 ) &" in ln]
+    assert lines[0] == "#!/bin/bash" and len(started) == 1 and started[0].startswith("( trap - TERM; trap '' USR2 USR1; exec ")
+    assert lines.index("export GPULAUNCH_SLURM_INSIDE=1") < lines.index(started[0]) and lines[-1] == 'exit "$code"'
+    # the shell's traps are set before the launcher starts: a stop or a warning as it starts is not lost
+    assert max(i for i, ln in enumerate(lines) if ln.startswith("trap '")) < lines.index(started[0])
     # a one-minute grace: the warning 90 s before the time limit (Slurm may send it a minute sooner)
     graced = job(tmp_path, "preemption: {grace_s: 59.5}\nslurm: {time: '0:10:00'}\n")
     assert "#SBATCH --signal=B:USR1@90\n" in sbatch_script(graced, allocation_for(graced, DEBUG), Path("/r"), python="p", cwd=Path("/"))
@@ -234,6 +265,49 @@ def test_the_batch_script_ends_the_job_as_the_launcher_inside_did(tmp_path, monk
         assert "saved no progress since this allocation began: not requeued" in said, said
 
 
+@pytest.mark.parametrize(
+    ("sig", "asked", "said"), [("USR1", [REQUEUED], "gpulaunch: SIGUSR1 from Slurm"), ("USR2", [CANCELLED], ""), ("TERM", [], "")]
+)
+def test_a_signal_while_the_launcher_starts_is_not_lost(tmp_path, sig, asked, said):
+    """Slurm's warning or launch's stop that comes just as the launcher inside starts, before the
+    shell has run its next line (on a busy node that line may run much later): the shell is held
+    there on purpose, between starting the launcher and knowing its pid, until the signal has
+    come. It is handed on all the same: the launcher gets one SIGTERM, and the job is requeued or
+    cancelled as it would be at any other time (a shell that ignored it there waited on); Slurm's
+    own SIGTERM to the whole batch step ends the launcher, and the shell stays to report."""
+    launcher_py, notes, signalled = tmp_path / "launcher.py", tmp_path / "notes", tmp_path / "signalled"
+    launcher_py.write_text(FAKE_LAUNCHER)
+    (tmp_path / "bin").mkdir()
+    for command in ("scancel", "scontrol"):
+        (tmp_path / "bin" / command).write_text(f'#!/bin/sh\necho "{command} $*" >> {tmp_path / "asked"}\n')
+        (tmp_path / "bin" / command).chmod(0o755)
+    body = batch_body([sys.executable, str(launcher_py), "save", str(notes)], 1)
+    started = next(i for i, ln in enumerate(body) if str(launcher_py) in ln)
+    body.insert(started + 1, f"until [ -e {signalled} ]; do sleep 0.02; done  # the window, held open")
+    script = tmp_path / "job.sbatch"
+    script.write_text("\n".join(["#!/bin/bash", *body]) + "\n")
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    shell = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while "ready" not in (notes.read_text() if notes.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(shell.pid, getattr(signal, f"SIG{sig}"))
+        if sig == "TERM":  # Slurm signals every process of the batch step
+            os.kill(int((tmp_path / "notes.pid").read_text()), signal.SIGTERM)
+        time.sleep(0.1)
+        signalled.touch()
+        assert shell.wait(20) == 130
+        out = shell.stdout.read() if shell.stdout else ""
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+    assert notes.read_text().split() == ["ready", "TERM"]
+    assert ((tmp_path / "asked").read_text().splitlines() if (tmp_path / "asked").exists() else []) == asked
+    assert said in out, out
+
+
 def test_a_requeue_that_fails_cancels_the_job(tmp_path):
     """A job Slurm will not requeue (an extra --no-requeue, a site's policy): cancelled, not FAILED."""
     (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
@@ -357,6 +431,26 @@ def test_a_job_that_ended_without_a_result_is_explained(tmp_path):
     assert commands.restarts_of({"Restarts": "2"}) == 2 and commands.restarts_of({}) is None
 
 
+def test_a_job_whose_batch_script_died_with_its_node_names_the_node(tmp_path, monkeypatch):
+    """A batch script killed with its node (exit code 0:9) is reported ended a moment before the
+    node goes: the job ends FAILED, not NODE_FAIL. Slurm has the batch host down by the time it
+    has ended: the node is named, not "ended FAILED without a result"; a script that ended by
+    itself (2:0), or killed on a node that is up, is explained as before."""
+    monkeypatch.setattr(commands, "hostnames", lambda nodelist: nodelist.split(","))
+    states = {"n1": "DOWN+NOT_RESPONDING"}
+    monkeypatch.setattr(commands, "node_records", lambda names: {n: {"NodeName": n, "State": states.get(n, "IDLE"), "Reason": "Not responding"} for n in names})
+    out = tmp_path / "slurm-3.out"
+    killed = commands.JobState("3", "FAILED", "", "n[1-2]", "n1", "0:9")
+    reason, summary = explain_end("3", killed, None, out)
+    assert (reason, summary) == (FailureReason.FAILED, "lost node n1 (DOWN+NOT_RESPONDING, Not responding), the job's batch host: the launcher inside went with it (Slurm job 3 ended FAILED, exit code 0:9)")
+    assert explain_end("3", commands.JobState("3", "FAILED", "", "n[1-2]", "n1", "2:0"), None, out)[1].startswith("Slurm job 3 ended FAILED (exit code 2:0) without")
+    states.clear()
+    assert explain_end("3", killed, None, out)[1].startswith("Slurm job 3 ended FAILED (exit code 0:9) without the launcher inside writing a result")
+    # found lost by the launch outside: cancelled by it, or ended by Slurm before it could
+    assert explain_end("3", commands.JobState("3", "CANCELLED"), None, out, lost="n1 (gone)")[1].endswith("went with it (Slurm job 3 cancelled)")
+    assert explain_end("3", killed, None, out, lost="n1 (gone)")[1].endswith("went with it (Slurm job 3 ended FAILED, exit code 0:9)")
+
+
 def test_an_earlier_allocations_result_is_not_the_requeued_jobs(tmp_path):
     """A requeued job whose last allocation wrote no result (its batch host lost) is explained
     from Slurm's state, not by the interrupted result the allocation before it left."""
@@ -376,3 +470,13 @@ def test_an_earlier_allocations_result_is_not_the_requeued_jobs(tmp_path):
     stopped = settle(tmp_path, "7", cancelled, "SIGINT", requeued=True)
     assert (stopped["status"], stopped["failure"]["reason"]) == ("interrupted", "interrupted") and stopped["stages"] == []
     assert stopped["failure"]["summary"] == "interrupted (SIGINT; Slurm job 7 cancelled while requeued, before it ran again)"
+
+
+def test_the_time_limit_counts_every_stage_auto_scaling_makes(tmp_path):
+    """``scaling.workers: auto`` over 2 nodes of 4 ranks each runs worlds 2, 4 and 8: three stages'
+    timeouts, as the same list written out; no scaling: one stage."""
+    auto = allocation_for(job(tmp_path, "scaling: {workers: auto}\n", resources="{nodes: 2, cpu_workers: 4}"), DEBUG)
+    listed = allocation_for(job(tmp_path, "scaling: {workers: [2, 4, 8]}\n", resources="{nodes: 2, cpu_workers: 4}"), DEBUG)
+    single = allocation_for(job(tmp_path, resources="{nodes: 2, cpu_workers: 4}"), DEBUG)
+    assert auto.time == listed.time != single.time
+    assert commands.limit_seconds(auto.time) - commands.limit_seconds(single.time) == 2 * (60 + 600)

@@ -84,7 +84,9 @@ def assert_resumed_once(rig: SlurmRig, run: Launch, job_id: str, uninterrupted: 
     result = result_of(run_dir)
     assert (result["status"], result["slurm"]["state"], result["slurm"]["restarts"]) == ("succeeded", "COMPLETED", 1), result.get("failure")
     (stage,) = result["stages"]
-    (attempt,) = stage["attempts"]  # this allocation's: the one before is set aside
+    before, attempt = stage["attempts"]  # the first allocation's, kept in the record, then this one's
+    assert before["status"] != "succeeded" and before["ended_at"] <= attempt["started_at"], before
+    assert (before["attempt"], attempt["attempt"]) == (0, 1)
     resumed = attempt["resumed_step"]
     assert at_least <= resumed < STEPS and attempt["status"] == "succeeded", attempt
     assert all(r["result"]["start_step"] == resumed and r["result"]["steps"] == STEPS for r in result["ranks"]), result["ranks"]
@@ -105,7 +107,7 @@ def test_slurms_warning_saves_requeues_and_the_next_allocation_resumes(slurm_req
     t0 = time.monotonic()
     rig.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)  # what slurmctld sends N s before the time limit
     result = assert_resumed_once(rig, run, job_id, uninterrupted, at_least=7)  # saved at the step after the notice
-    print(f"warned at step >= 6 -> saved at {result['stages'][0]['attempts'][0]['resumed_step']}, requeued, resumed, "
+    print(f"warned at step >= 6 -> saved at {result['stages'][0]['attempts'][-1]['resumed_step']}, requeued, resumed, "
           f"launch done after {time.monotonic() - t0:.1f}s")  # fmt: skip
     assert "stop notice sent to every rank: 20s" in run.output(), run.output()
     said = (run.run_dir() / f"slurm-{job_id}.out").read_text()  # the batch script's own lines (launch --quiet shows none)

@@ -74,18 +74,16 @@ export GLOO_SOCKET_IFNAME={slurm_rig.ifname} OMP_NUM_THREADS=1
 srun --kill-on-bad-exit=1 bash -c {shlex.quote(run)}
 """
     t0 = time.monotonic()
-    job_id, done = slurm_rig.sbatch(
-        script, "--wait", "-N2", "--ntasks-per-node=1", "--time=2", f"--output={jobs}/torch-%j.out", timeout=150
+    job_id, job = slurm_rig.sbatch_until_ended(
+        script, "-N2", "--ntasks-per-node=1", "--time=2", f"--output={jobs}/torch-%j.out", timeout=150
     )
     elapsed = time.monotonic() - t0
-    out = (jobs / f"torch-{job_id}.out").read_text() if job_id else ""
-    assert done.returncode == 0, f"{done.stderr}\n{out}\n{slurm_rig.log_tail()}"
+    out = (jobs / f"torch-{job_id}.out").read_text()
+    assert (job["JobState"], job["ExitCode"], job["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), f"{out}\n{slurm_rig.log_tail()}"
     assert sorted(re.findall(r"^rank .*$", out, re.MULTILINE)) == ["rank 0 of 2 on n1 sum 3.0", "rank 1 of 2 on n2 sum 3.0"], out
-    job = slurm_rig.job(job_id)
-    assert (job["JobState"], job["ExitCode"], job["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]")
     assert slurm_rig.wait_clean() == {}
     print(
-        f"2-node torch job through sbatch --wait: {elapsed:.1f}s"
+        f"2-node torch job through sbatch: {elapsed:.1f}s"
         f" (submit {job['SubmitTime']}, start {job['StartTime']}, end {job['EndTime']})"
     )
 
@@ -95,11 +93,9 @@ def test_gres_gpus_reach_the_job_as_cuda_visible_devices(slurm_gpu_rig: SlurmRig
     assert rig.run(["sinfo", "-h", "-N", "-o", "%N %G"], check=True).stdout.split("\n")[:-1] == ["n1 gpu:2", "n2 gpu:2"]
     jobs = rig.workdir / "jobs"
     script = "#!/bin/bash\nsrun sh -c 'echo \"$(hostname) $SLURM_PROCID [$CUDA_VISIBLE_DEVICES]\"'\n"
-    job_id, done = rig.sbatch(
-        script, "--wait", "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", f"--output={jobs}/gpu-%j.out"
-    )
-    out = (jobs / f"gpu-{job_id}.out").read_text() if job_id else ""
-    assert done.returncode == 0, f"{done.stderr}\n{out}"
+    job_id, job = rig.sbatch_until_ended(script, "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", f"--output={jobs}/gpu-%j.out")
+    out = (jobs / f"gpu-{job_id}.out").read_text()
+    assert job["JobState"] == "COMPLETED", f"{job}\n{out}"
     assert sorted(out.splitlines()) == ["n1 0 [0,1]", "n2 1 [0,1]"]
     one = rig.run(["srun", "-N1", "--gpus-per-node=1", "sh", "-c", 'echo "[$CUDA_VISIBLE_DEVICES]"'], check=True)
     assert one.stdout.strip() == "[0]"

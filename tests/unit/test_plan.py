@@ -125,7 +125,7 @@ def test_auto_world_sizes_are_powers_of_two_up_to_every_slot(tmp_path, gpus, vis
 
 
 def test_auto_world_sizes_over_several_nodes_are_multiples_of_the_nodes(tmp_path):
-    from launcher.control.planning import auto_world_sizes
+    from launcher.stage.plan import auto_world_sizes
 
     assert auto_world_sizes(16, 2) == [2, 4, 8, 16]
     assert auto_world_sizes(6, 2) == [2, 4, 6]

@@ -71,7 +71,8 @@ def explain_end(
     """Why a job ended without the launcher inside writing its result."""
     what = f"Slurm job {job_id}"
     if lost:
-        return FailureReason.FAILED, f"lost node {lost}, the job's batch host: the launcher inside went with it ({what} cancelled)"
+        how = "cancelled" if state is None or state.state in ("CANCELLED", "COMPLETING") else _ended(state)
+        return FailureReason.FAILED, f"lost node {lost}, the job's batch host: the launcher inside went with it ({what} {how})"
     if interrupted:
         return FailureReason.INTERRUPTED, f"interrupted ({interrupted}; {what} cancelled{' before it ran' if not output.exists() else ''})"
     if state is None:
@@ -83,9 +84,17 @@ def explain_end(
         return FailureReason.TIMEOUT, f"{what} reached its Slurm time limit (slurm.time) before the launcher inside wrote its result"
     if state.state in ("CANCELLED", "PREEMPTED", "DEADLINE"):
         return FailureReason.INTERRUPTED, f"{what} was {state.state.lower()} ({state.reason or 'scancel'})"
+    killed = state.exit_code.partition(":")[2] not in ("", "0")  # the batch script ended by a signal (0:9)
+    down = _lost_nodes(state.batch_host) if state.state == "FAILED" and killed and state.batch_host else ""
+    if down:  # its batch script killed with its node, reported ended a moment before the node went
+        return FailureReason.FAILED, f"lost node {down}, the job's batch host: the launcher inside went with it ({what} {_ended(state)})"
     errors = [ln for ln in _tail_lines(output) if ln.startswith("error:") or "Error" in ln]
     said = f": {errors[-1]}" if errors else f" (see {output})"
     return FailureReason.FAILED, f"{what} ended {state.state} (exit code {state.exit_code or '?'}) without the launcher inside writing a result{said}"
+
+
+def _ended(state: commands.JobState) -> str:
+    return f"ended {state.state}, exit code {state.exit_code or '?'}"
 
 
 def _lost_nodes(nodelist: str) -> str:

@@ -18,7 +18,7 @@ from launcher.backends.slurm.commands import Partition, limit_seconds, time_limi
 from launcher.errors import EXIT_INTERRUPTED, PlanError
 from launcher.protocol import ENV_SLURM_INSIDE
 from launcher.runtime.devices import GpuInfo, NodeInventory
-from launcher.stage.plan import NodeTarget
+from launcher.stage.plan import NodeTarget, auto_world_sizes
 
 if TYPE_CHECKING:
     from launcher.spec.model import LoadedJob
@@ -60,9 +60,12 @@ class Allocation:
     gpus_per_node: int
     cpus_per_task: int
     time: str
+    ranks_per_gpu: int = 1  # resources.ranks_per_gpu: Slurm is asked for the GPUs, the CPUs are one per rank
 
     def describe(self) -> str:
         gpus = f", {self.gpus_per_node} GPU(s)" if self.gpus_per_node else ""
+        if self.gpus_per_node and self.ranks_per_gpu > 1:
+            gpus += f" shared by {self.ranks_per_gpu} ranks each ({self.gpus_per_node * self.ranks_per_gpu} ranks per node)"
         where = f"partition {self.partition}" if self.partition else "the default partition"
         return f"{self.nodes} node(s) x {self.cpus_per_task} CPU(s){gpus} in {where}, time limit {self.time}"
 
@@ -73,13 +76,20 @@ def warning_s(job: LoadedJob) -> int:
     return math.ceil(job.spec.preemption.grace_s) + RESULT_MARGIN_S
 
 
-def _time_limit(job: LoadedJob) -> str:
+def _time_limit(job: LoadedJob, ranks_per_node: int) -> str:
     """slurm.time, or every stage's rendezvous_s + run_s, MARGIN_S and the warning's lead: a run
-    that keeps to its timeouts never gets the warning (timeouts.run_s ends a run that does not)."""
+    that keeps to its timeouts never gets the warning (timeouts.run_s ends a run that does not).
+    ``scaling.workers: auto`` counts the stages of the ranks the allocation gives each node."""
     spec = job.spec
     if spec.slurm.time:
         return spec.slurm.time
-    stages = len(spec.world_sizes or (1,))
+    listed = spec.world_sizes
+    if listed is not None:
+        stages = len(listed)
+    elif spec.scales_auto and not spec.resources.elastic:
+        stages = len(auto_world_sizes(max(1, ranks_per_node) * spec.resources.nodes, spec.resources.nodes))
+    else:
+        stages = 1
     return time_limit(stages * (spec.timeouts.rendezvous_s + spec.timeouts.run_s) + MARGIN_S + warning_s(job))
 
 
@@ -100,14 +110,17 @@ def allocation_for(job: LoadedJob, partition: Partition | None) -> Allocation:
     when it can never hold it (a job that would pend forever is never submitted). ``partition``
     None: it is not known (a dry run with no controller to ask); the spec alone decides: GPUs only
     where it asks for them (``gpus_per_node: N``, or ``device: cuda``: then one where ``auto``),
-    otherwise ``cpu_workers`` ranks (one where ``auto``)."""
+    otherwise ``cpu_workers`` ranks (one where ``auto``). On GPUs, Slurm is asked for the GPUs
+    (``--gpus-per-node``) and, by default, one CPU per rank: ``resources.ranks_per_gpu`` ranks
+    share each GPU."""
     spec, res = job.spec, job.spec.resources
     _check_warning_fits(job)
+    share = res.ranks_per_gpu
     if partition is None:
         asked = res.gpus_per_node if isinstance(res.gpus_per_node, int) else (1 if res.device == "cuda" else 0)
         gpus = 0 if res.device == "cpu" else asked
-        ranks = gpus or (res.cpu_workers if isinstance(res.cpu_workers, int) else 1)
-        return Allocation(spec.slurm.partition, res.nodes, gpus, spec.slurm.cpus_per_task or ranks, _time_limit(job))
+        ranks = gpus * share or (res.cpu_workers if isinstance(res.cpu_workers, int) else 1)
+        return Allocation(spec.slurm.partition, res.nodes, gpus, spec.slurm.cpus_per_task or ranks, _time_limit(job, ranks), share if gpus else 1)
     fewest_gpus = min((n.gpus for n in partition.nodes), default=0)
     if res.device == "cpu":
         gpus = 0
@@ -119,7 +132,7 @@ def allocation_for(job: LoadedJob, partition: Partition | None) -> Allocation:
     if res.device == "cuda" and gpus == 0:
         raise PlanError(f"{job.path}: resources.device: 'cuda' requested but {where}; nothing was submitted")
     if gpus:
-        ranks = gpus
+        ranks = gpus * share  # ranks_per_gpu ranks on each GPU, a CPU each
     elif res.cpu_workers == "auto":
         ranks = min((n.cpus for n in partition.nodes), default=1)
     else:
@@ -131,11 +144,18 @@ def allocation_for(job: LoadedJob, partition: Partition | None) -> Allocation:
     elif sum(n.gpus >= gpus for n in partition.nodes) < res.nodes:
         problem = f"resources.gpus_per_node: {gpus} GPU(s) per node on {res.nodes} node(s) requested"
     elif sum(n.gpus >= gpus and n.cpus >= cpus for n in partition.nodes) < res.nodes:
-        field = "slurm.cpus_per_task" if spec.slurm.cpus_per_task else "resources.cpu_workers (one CPU per rank)"
+        if spec.slurm.cpus_per_task:
+            field = "slurm.cpus_per_task"
+        elif gpus and share > 1:
+            field = f"resources.ranks_per_gpu: {share} ranks on each of {gpus} GPU(s), one CPU per rank"
+        elif gpus:
+            field = "resources.gpus_per_node (a rank per GPU, one CPU per rank)"
+        else:
+            field = "resources.cpu_workers (one CPU per rank)"
         problem = f"{field}: {cpus} CPU(s) per node on {res.nodes} node(s) requested"
     if problem:
         raise PlanError(f"{job.path}: {problem}, but {where}; nothing was submitted")
-    return Allocation(partition.name, res.nodes, gpus, cpus, _time_limit(job))
+    return Allocation(partition.name, res.nodes, gpus, cpus, _time_limit(job, ranks), share if gpus else 1)
 
 
 def fitting_nodes(alloc: Allocation, partition: Partition) -> list[str]:
@@ -231,8 +251,12 @@ def batch_body(argv: Sequence[str], warn_s: int) -> list[str]:
     every process of the batch step: the launcher gets it directly and the shell, which ignores
     it, stays to report, and never cancels or requeues: Slurm has decided the job's fate already
     (a cancel then would cancel a requeued job). The launcher runs in the background (a shell runs
-    its traps only between commands) with both signals ignored, so ``wait`` ends with 128+one of
-    them only when a trap cut it short."""
+    its traps only between commands) with both signals ignored (its own subshell ignores them
+    before it becomes the launcher), so ``wait`` ends with 128+one of them only when a trap cut it
+    short. The shell's traps (SIGTERM ignored too) are set before the launcher starts, never after:
+    a signal that comes while it starts (the shell's next line may run only much later on a busy
+    node) is not lost, nor does Slurm's SIGTERM then end the shell; a stop or warning that comes
+    before the shell knows the launcher's pid is handed on as soon as it does."""
     stop, warn = STOP_SIGNAL, WARNING_SIGNAL
     job = '"$SLURM_JOB_ID"'
     return [
@@ -240,15 +264,18 @@ def batch_body(argv: Sequence[str], warn_s: int) -> list[str]:
         "# writes its result, then the job cancels itself (Slurm records CANCELLED; ending 130 it would be FAILED).",
         f"# Slurm warns with SIG{warn} {warn_s} s before the time limit (or on preemption): the launcher gets SIGTERM,",
         "# its ranks save and return, and a run that saved progress is requeued: the next allocation resumes it.",
-        "stopped= warned=",
+        "stopped= warned= launcher= early=",
         f"cut_stop=$((128 + $(kill -l {stop}))) cut_warn=$((128 + $(kill -l {warn})))  # what wait returns when a trap cut it short",
-        f"trap '' {stop} {warn}",
-        shlex.join(argv) + " &",
-        "launcher=$!",
-        f"trap '[ -n \"$stopped\" ] || {{ stopped=1; [ -n \"$warned\" ] || kill -TERM \"$launcher\" 2>/dev/null; }}' {stop}  # once",
+        "# SIGTERM to the launcher; one that comes before its pid is known is handed on as soon as it is",
+        'hand_on() { if [ -n "$launcher" ]; then kill -TERM "$launcher" 2>/dev/null; else early=1; fi; }',
+        "# the traps come first: a signal while the launcher starts is not lost",
+        f"trap '[ -n \"$stopped\" ] || {{ stopped=1; [ -n \"$warned\" ] || hand_on; }}' {stop}  # once",
         f"trap '[ -n \"$stopped$warned\" ] || {{ warned=1; echo \"gpulaunch: SIG{warn} from Slurm (time limit in {warn_s} s, or preemption):"
-        f" stopping the run to save it and requeue the job\"; kill -TERM \"$launcher\" 2>/dev/null; }}' {warn}  # once",
+        f" stopping the run to save it and requeue the job\"; hand_on; }}' {warn}  # once",
         "trap '' TERM  # Slurm's own SIGTERM (time limit, scancel, requeue, preemption) reaches the launcher itself",
+        f"( trap - TERM; trap '' {stop} {warn}; exec {shlex.join(argv)} ) &  # the launcher: SIGTERM its own, {stop} and {warn} the shell's",
+        "launcher=$!",
+        '[ -z "$early" ] || kill -TERM "$launcher" 2>/dev/null  # stopped or warned as it started',
         "code=$cut_stop",
         'while [ "$code" -eq "$cut_stop" ] || [ "$code" -eq "$cut_warn" ]; do wait "$launcher"; code=$?; done',
         f'launcher= resumable=; [ "$code" -ne {EXIT_RESUMABLE} ] || {{ resumable=1; code={EXIT_INTERRUPTED}; }}  # interrupted, progress saved',

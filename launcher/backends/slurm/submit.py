@@ -234,6 +234,8 @@ class SlurmRun(RemoteRun):
         self._quiet_until = 0.0
         self._ask_after = 0.0  # when Slurm's restart count may be asked again
         self._beacons: dict[int, tuple[float | None, float]] = {}  # rank -> (its beacon's t, when that was new)
+        self._batch_host = ""  # where the launcher inside runs, as last seen running
+        self._end_probed = False  # the batch host asked about once the batch script ended without a result
 
     def new_lines(self, final: bool = False) -> list[str]:
         return self.tail.lines(final)
@@ -248,9 +250,17 @@ class SlurmRun(RemoteRun):
             return None
         self.state = state
         if state is None or state.terminal:
+            if state is not None and state.state == "FAILED":  # not NODE_FAIL: Slurm names the node itself
+                self._ended_without_result(state, reader)
             return state.state if state else "UNKNOWN"
         if self._requeued(state, reader):
             return None
+        if state.state == "COMPLETING" and not reader.finished and self._ended_without_result(state, reader):
+            # the batch script ended (killed with its node) before the launcher inside wrote its
+            # result: Slurm keeps the job COMPLETING until it marks the node down; no need to wait
+            commands.cancel(self.job_id)  # its steps elsewhere, if any are left
+            self.state = wait_ended(self.job_id, COMPLETING_WAIT_S, lambda: False, lambda: reader.feed(self.new_lines()))
+            return self.state.state if self.state else state.state
         if state.state == "COMPLETING" and reader.finished:
             # the launcher inside has written its result and ended; a lost node keeps the job
             # COMPLETING until Slurm marks it down (SlurmdTimeout): no need to wait for that
@@ -291,10 +301,30 @@ class SlurmRun(RemoteRun):
         self._running = self._pending_told = False
         self._submitted, self._completing_since = time.monotonic(), None
         self._beacons.clear()
+        self._end_probed, self._batch_host = False, ""
         self.events.message(
             f"Slurm job {self.job_id} was requeued (restart {restarts}): when it runs again, the launcher there resumes the run "
             f"from its last checkpoint (launch stop {self.job_id} or Ctrl-C cancels it)"
         )
+        return True
+
+    def _ended_without_result(self, state: commands.JobState | None, reader: WireReader) -> bool:
+        """Whether the batch host was lost, asked once when the job's batch script has ended
+        (COMPLETING, or ended) while the launcher inside, seen running, had not finished: a lost
+        node's batch script may be reported ended (killed, exit code 0:9) a moment before its
+        slurmstepd goes with the rest of the node, and the job ends FAILED instead of staying
+        RUNNING until the beacons' silence shows the loss (``_batch_host_lost``). Named, the
+        result says so, not "ended FAILED without a result"."""
+        reader.feed(self.new_lines())  # what the launcher wrote before its script ended
+        if self.lost or self._end_probed or reader.finished or not self._running:
+            return False
+        self._end_probed = True
+        host = (state.batch_host if state else "") or self._batch_host
+        why = commands.probe_nodes([host]).get(host) if host else None
+        if not why:
+            return False
+        self.lost = f"{host} ({why})"
+        self.events.message(f"lost node {self.lost}, where the launcher inside ran: Slurm job {self.job_id} ended there without its result")
         return True
 
     def _tell(self, state: commands.JobState) -> None:
@@ -312,6 +342,8 @@ class SlurmRun(RemoteRun):
             if self._rerun_pending:
                 self.rerun_since, self._rerun_pending = time.time(), False
             self.events.message(f"Slurm job {self.job_id} is running on {state.nodes or '?'} (batch host {state.batch_host or '?'})")
+        if state.state == "RUNNING" and state.batch_host:
+            self._batch_host = state.batch_host
 
     def _batch_host_lost(self, batch_host: str, reader: WireReader) -> str | None:
         """Why the batch host is gone, once its ranks' beacons (on the shared filesystem: the
