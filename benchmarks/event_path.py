@@ -37,11 +37,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, base_parser, machine_info, summary, write_result  # noqa: E402
+from benchmarks.common import base_parser, bench_env, machine_info, summary, write_result  # noqa: E402
 from launcher.control.monitoring import MetricsEvents  # noqa: E402
 from launcher.control.planning import plan_stage  # noqa: E402
 from launcher.control.runloop import StopRequest, run_stage  # noqa: E402
@@ -110,7 +110,7 @@ class SimEngine(StageEngine):
 class SimStage(StageHandle):
     def __init__(self, plan: StagePlan, logs: LogRouter, seconds: float, slow_rank: int) -> None:
         super().__init__(plan, logs)
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = bench_env()  # the repository prepended to the caller's PYTHONPATH
         self.procs = []
         for node in plan.nodes:
             first = node.node_rank * node.nproc
@@ -158,7 +158,10 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(ranks: int, hosts: int, seconds: float, scratch: Path) -> dict[str, Any]:
+def measure(ranks: int, hosts: int, seconds: float, scratch: Path,
+            engine: Callable[[float, int], StageEngine] = SimEngine) -> dict[str, Any]:
+    """One size through the run loop; ``engine(seconds, slow_rank)`` is the simulated engine (the
+    torchrun agents' pipes here; ``benchmarks/ray_event_path.py`` passes Ray's channel)."""
     scratch.mkdir(parents=True, exist_ok=True)
     spec = scratch / "sim.yaml"
     spec.write_text("name: sim\nentrypoint: launcher.workloads.matmul:run\nmonitoring: {straggler_hold_s: 2}\n")
@@ -183,7 +186,7 @@ def measure(ranks: int, hosts: int, seconds: float, scratch: Path) -> dict[str, 
                 marks.append((time.time(), _cpu()))
 
         threading.Thread(target=mark, daemon=True).start()
-        outcome = run_stage(make_plan, SimEngine(seconds, slow), stop=StopRequest(), events=watcher)
+        outcome = run_stage(make_plan, engine(seconds, slow), stop=StopRequest(), events=watcher)
         t1 = time.time()
     finally:
         metrics.close()

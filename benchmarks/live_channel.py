@@ -21,8 +21,15 @@ tail on each node, published through the GCS, unstructured, with no beacon); a q
 hop and a process; the drain is one call per actor, answered by the actor's own thread, and its
 result crosses Ray's object store whichever node the actor is on.
 
+Since issue 35 a Ray stage's channel is batched per node (one ``NodeRelay`` per node gathers its
+ranks' lines and beacons; one drain per node per interval); ``ray-per-actor`` runs the channel
+before it (``RayStage.relay_per_node = False``) beside it. ``--ray-nodes 2`` runs the Ray rows on
+a real 2-node Ray cluster on this machine (a head and a worker on 127.0.0.1, started and stopped
+by pid as ``tests/ray/conftest.py`` does), the ranks spread over both nodes.
+
     python benchmarks/live_channel.py              # 3 pairs, 12 s of DDP each
     python benchmarks/live_channel.py --smoke      # 1 pair, 6 s
+    python benchmarks/live_channel.py --ray-nodes 2 --backend ray --backend ray-per-actor
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ resources: {{cpu_workers: 4}}
 monitoring: {{straggler_hold_s: 1.0}}
 env: {{PYTHONPATH: {repo}}}
 """
-BACKENDS = ("torchrun", "ray")
+BACKENDS = ("torchrun", "ray", "ray-per-actor")
 SETTLE_S = 2.0
 
 
@@ -78,14 +85,19 @@ class Readings(RunEvents):
                 self.seen[r.rank] = r.beacon_t
 
 
-def one_run(backend: str, duration_s: float, scratch: Path) -> dict[str, Any]:
+def one_run(backend: str, duration_s: float, scratch: Path, spread: bool = False) -> dict[str, Any]:
     import launcher
+    from launcher.backends.ray import RayStage
 
     scratch.mkdir(parents=True)
     spec = scratch / f"{backend}.yaml"
-    spec.write_text(SPEC.format(duration_s=duration_s, repo=REPO))
+    spec.write_text(SPEC.format(duration_s=duration_s, repo=REPO) + ("ray: {placement: spread}\n" if spread else ""))
     readings = Readings()
-    result = launcher.run_job(spec, backend=backend, out=scratch / "runs", events=readings, metrics=False)
+    RayStage.relay_per_node = backend != "ray-per-actor"
+    try:
+        result = launcher.run_job(spec, backend=backend.split("-")[0], out=scratch / "runs", events=readings, metrics=False)
+    finally:
+        RayStage.relay_per_node = True
     (w0, c0), (w1, c1) = (readings.marks[0], readings.marks[-1]) if len(readings.marks) >= 2 else ((0.0, 0.0), (1.0, 0.0))
     lat = sorted(readings.latencies)
     pick = (lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 3)) if lat else (lambda q: None)
@@ -100,27 +112,52 @@ def one_run(backend: str, duration_s: float, scratch: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=None, help="seconds of DDP per run (default 12; 6 with --smoke)")
+    p.add_argument("--backend", choices=BACKENDS, action="append", help="only these (default: torchrun and ray)")
+    p.add_argument("--ray-nodes", type=int, default=0, help="2: the Ray rows on a real 2-node cluster on this machine (default: embedded Ray)")
     args = p.parse_args(argv)
+    if args.ray_nodes:
+        return on_cluster(args)
+    return measure(args, tuple(args.backend or BACKENDS[:2]))
+
+
+def on_cluster(args: Any) -> int:
+    """The Ray rows on a head and ``--ray-nodes - 1`` workers on 127.0.0.1, this process their driver."""
+    from launcher.protocol import ENV_RAY_CONNECT
+    from tests.ray.conftest import DRIVER, ray_cluster
+
+    with ray_cluster(head_cpus=2, worker_cpus=(2,) * (args.ray_nodes - 1)) as head:
+        DRIVER.connect(head)
+        os.environ[ENV_RAY_CONNECT] = "1"  # plan on the cluster, as a submitted job does
+        try:
+            return measure(args, tuple(args.backend or BACKENDS[1:]), spread=True, nodes=args.ray_nodes)
+        finally:
+            os.environ.pop(ENV_RAY_CONNECT, None)
+            DRIVER.disconnect()
+
+
+def measure(args: Any, backends: tuple[str, ...], spread: bool = False, nodes: int = 1) -> int:
     reps = args.reps or (1 if args.smoke else 3)
     seconds = args.seconds or (6.0 if args.smoke else 12.0)
     os.environ.setdefault("GPULAUNCH_PROM_SD_DIR", tempfile.mkdtemp(prefix="gl-sd-"))
     rows = []
     with tempfile.TemporaryDirectory(prefix="gl-live-channel-") as tmp:
         for rep in range(reps):
-            for backend in BACKENDS if rep % 2 == 0 else BACKENDS[::-1]:
-                row = one_run(backend, seconds, Path(tmp) / f"{rep}-{backend}")
+            for backend in backends if rep % 2 == 0 else backends[::-1]:
+                load = os.getloadavg()[0]
+                row = one_run(backend, seconds, Path(tmp) / f"{rep}-{backend}", spread=spread and backend != "torchrun")
+                row.update(ray_nodes=nodes if backend != "torchrun" else None, load_avg_1m=[round(load, 2), round(os.getloadavg()[0], 2)])
                 rows.append(row)
                 lat = row["latency_s"]
                 print(f"{backend:8s} {row['status']}: launcher {100 * (row['cpu_core_fraction'] or 0):5.1f}% of a core, "
                       f"latency p50 {lat['p50']} s p99 {lat['p99']} s (n={lat['n']}), "
-                      f"{row['beacons_per_rank_s']} beacons/rank/s")  # fmt: skip
+                      f"{row['beacons_per_rank_s']} beacons/rank/s, load {row['load_avg_1m']}")  # fmt: skip
     write_result("live_channel", {
         "mode": "smoke" if args.smoke else "full" if args.full else "default", "machine": machine_info(), "seconds": seconds,
         "rows": rows,
         "by_backend": {b: {"cpu_core_fraction": summary([r["cpu_core_fraction"] for r in rows if r["backend"] == b and r["cpu_core_fraction"] is not None]),
                            "latency_p50_s": summary([r["latency_s"]["p50"] for r in rows if r["backend"] == b and r["latency_s"]["p50"] is not None]),
                            "latency_p99_s": summary([r["latency_s"]["p99"] for r in rows if r["backend"] == b and r["latency_s"]["p99"] is not None])}
-                       for b in BACKENDS},
+                       for b in backends},
     }, args.out)  # fmt: skip
     return 0
 

@@ -10,9 +10,13 @@ it down completely at the end; inside a Ray job (``launch --address``, see
 Lifecycle of one stage: ``start`` creates the placement group (gang scheduling: all bundles or
 none) and the named actors ``<job>-rank<k>``; ``poll`` waits for the group within
 ``timeouts.rendezvous_s``, then hands every actor its env and runs it. The stage's live channel is
-Ray's own: each actor keeps one ``drain`` call in flight, which returns its new output lines and
-its latest beacon (at least every ``DRAIN_WAIT_S``), wherever in the cluster it runs; each ``run``
-returns the rank's report. ``stop`` kills the actors and removes the group.
+Ray's own, batched per node: one ``NodeRelay`` actor on each node of the stage (no CPU reserved)
+gathers its co-located ranks' output lines and beacons, and the launcher makes one call per node,
+a stream (Ray's streaming generator) that brings everything new of all its ranks at most every
+``RELAY_BATCH_S`` and at least every ``DRAIN_WAIT_S``, wherever in the cluster the node is: the launcher's calls
+grow with the nodes, not the ranks (a node whose relay is lost falls back to one ``drain`` per
+actor, the channel before relays). Each ``run`` returns the rank's report. ``stop`` kills the
+actors and relays and removes the group.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -36,7 +40,7 @@ from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, STOP_NOTICE_SIGNAL, R
 from launcher.records import RankExit
 from launcher.runtime.devices import GpuInfo, NodeInventory
 from launcher.runtime.hangdump import gather_as_dicts
-from launcher.runtime.ray_actor import RankActor
+from launcher.runtime.ray_actor import NodeRelay, RankActor
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
 from launcher.stage.events import RankBeacon, RankExited, RankReported, RanksLost
 from launcher.stage.logrouting import LogRouter
@@ -47,6 +51,8 @@ CONNECT_ENV = ENV_RAY_CONNECT  # set by launcher.backends.ray_jobs: connect to t
 TORCHRUN_SCRIPT_ENV = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DRAIN_WAIT_S = 0.5
+RELAY_BATCH_S = 0.25  # a node's relay answers at most this often (a torchrun agent forwards every 0.25 s)
+RELAY_START_S = 20.0  # a relay with no answer by then (not scheduled: its node drained, say): a drain per rank there
 NODE_DRAIN_CHECK_S = 1.0  # how often a running stage asks the GCS whether one of its nodes is being drained
 EVIDENCE_TIMEOUT_S = 30.0  # a task per node: py-spy per rank, the ranks' own accounts (3 s)
 _log = logging.getLogger(__name__)
@@ -92,7 +98,8 @@ def check_single_pool(job: Any) -> None:
 
 
 def job_metadata(spec: Any) -> dict[str, str]:
-    """What the dashboard's Jobs view shows for a run (Ray metadata values are strings)."""
+    """What the dashboard's Jobs view shows for a run (Ray metadata values are strings): the
+    spec's world sizes, or "auto" where the job plans them on what the cluster has when it runs."""
     sizes = list(spec.world_sizes or [])
     return {
         "job_name": spec.name,
@@ -172,9 +179,10 @@ def ray_session(job: Any) -> Iterator[None]:
     common = dict(namespace=settings.namespace, log_to_driver=False, logging_level=logging.WARNING, job_config=job_config)
     embedded = not os.environ.get(CONNECT_ENV)
     before = set(descendants(os.getpid())) if embedded else set()
+    auth = _AuthWords()
     try:
         if embedded:
-            with _loopback_only():
+            with _loopback_only(), auth.listening():
                 ctx = ray.init(
                     address="local",
                     num_cpus=_embedded_cpus(job),
@@ -189,7 +197,11 @@ def ray_session(job: Any) -> Iterator[None]:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise BackendError(f"cannot start Ray: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if ctx.dashboard_url:
-        print(f"Ray dashboard: http://{ctx.dashboard_url}  ({'embedded' if embedded else 'cluster'}, namespace {settings.namespace})", file=sys.stderr, flush=True)
+        print(f"Ray dashboard: http://{ctx.dashboard_url}  ({'embedded' if embedded else 'cluster'}, namespace {settings.namespace}{auth.said})",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if auth.disabled:
+        print("gpulaunch: this Ray runs without token authentication: anyone who can reach its ports can run code there "
+              "(README, Ray: token auth)", file=sys.stderr, flush=True)  # fmt: skip
     session_dir = (getattr(ctx, "address_info", None) or {}).get("session_dir")
     try:
         yield
@@ -198,6 +210,38 @@ def ray_session(job: Any) -> Iterator[None]:
         ray.shutdown()
         if ours:
             _kill_leftovers(ours)
+
+
+class _AuthWords(logging.Filter):
+    """Ray's own WARNING about its token authentication, said at every ``ray.init`` ("Token
+    authentication is enabled ... Set RAY_AUTH_MODE=disabled to opt out"), kept off the console:
+    the launcher says it in its own words instead (on: beside the dashboard's address; off: a line
+    a user must act on)."""
+
+    LOGGER = "ray._private.authentication.authentication_token_setup"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled = self.disabled = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        self.enabled |= "Token authentication is enabled" in text
+        self.disabled |= "Token authentication is disabled" in text
+        return False
+
+    @contextlib.contextmanager
+    def listening(self) -> Iterator[None]:
+        logger = logging.getLogger(self.LOGGER)
+        logger.addFilter(self)
+        try:
+            yield
+        finally:
+            logger.removeFilter(self)
+
+    @property
+    def said(self) -> str:
+        return ", token auth on" if self.enabled or os.environ.get("RAY_AUTH_MODE") == "token" else ""
 
 
 # --- the backend -------------------------------------------------------------------------------------
@@ -264,6 +308,8 @@ def pool_node(nodes: list[dict[str, Any]], address: str) -> NodeTarget:
 class RayStage(StageHandle):
     """One stage's actors: scheduling (the gang), then running, then stopped."""
 
+    relay_per_node = True  # False: one drain per actor, the channel before relays (benchmarks/ray_event_path.py measures both)
+
     def __init__(self, plan: StagePlan, logs: LogRouter) -> None:
         super().__init__(plan, logs)
         self._pg: Any = None
@@ -271,7 +317,12 @@ class RayStage(StageHandle):
         self._probes: dict[int, dict[str, Any]] = {}
         self._probe_refs: dict[Any, int] = {}
         self._runs: dict[Any, int] = {}
-        self._drains: dict[Any, int] = {}
+        self._drains: dict[Any, int] = {}  # a rank's own drain in flight (no relay on its node)
+        self._relays: dict[str, Any] = {}  # node id -> its NodeRelay
+        self._relay_streams: dict[Any, str] = {}  # a node's stream of answers -> the node id
+        self._relay_drains: dict[Any, str] = {}  # a node's last drain at the stage's end -> the node id
+        self._relay_silent: dict[str, float] = {}  # node id -> when its relay must have answered
+        self._node_ranks: dict[str, list[int]] = {}  # node id -> its ranks
         self._stage_dirs: dict[int, str] = {}  # rank -> its files' folder on its node (another node's is its own)
         self._reports: dict[int, RankReport] = {}
         self._died: dict[int, str] = {}
@@ -361,8 +412,35 @@ class RayStage(StageHandle):
             config_json = placed.worker_for(placed.nodes[slot.node_rank]).to_json()
             same_node = self._probes[slot.rank]["node_id"] == local_node
             self._runs[actor.run.remote(config_json, env, same_node)] = slot.rank
-            self._drains[actor.drain.remote(DRAIN_WAIT_S)] = slot.rank
+            self._node_ranks.setdefault(self._probes[slot.rank]["node_id"], []).append(slot.rank)
+        self._start_channel()
         self._state = "running"
+
+    def _start_channel(self) -> None:
+        """The live channel: a relay per node (one call per node per interval), or a drain per rank."""
+        for node_id, ranks in self._node_ranks.items():
+            relay = None
+            if self.relay_per_node:
+                try:
+                    relay = self._relays[node_id] = self._make_relay(node_id, ranks)
+                except (RayError, ValueError) as exc:
+                    _log.info("no relay on node %s (%s): a drain per rank there", node_id[:12], _first_line(exc))
+            if relay is not None:
+                self._relay_streams[relay.stream.options(num_returns="streaming").remote(DRAIN_WAIT_S, RELAY_BATCH_S)] = node_id
+                self._relay_silent[node_id] = time.monotonic() + RELAY_START_S
+            else:
+                for rank in ranks:
+                    self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
+
+    def _make_relay(self, node_id: str, ranks: list[int]) -> Any:
+        """A ``NodeRelay`` pinned to the node (its ranks' beacon files are there), no CPU reserved."""
+        remote_relay = ray.remote(NodeRelay).options(
+            num_cpus=0,
+            max_concurrency=2,  # its stream and the stage's last drain
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        return remote_relay.remote({rank: self._actors[rank] for rank in ranks})
 
     @staticmethod
     def _placement(rank: int, probe: dict[str, Any], node_cpus: dict[str, float]) -> RankPlacement:
@@ -428,6 +506,7 @@ class RayStage(StageHandle):
         return self.plan.ranks[rank].host
 
     def _pump_logs(self, final: bool = False) -> None:
+        self._pump_relays(final)
         for rank, ref in _take_ready(self._drains, timeout_s=2.0 if final else 0):
             try:
                 drained = ray.get(ref)
@@ -443,6 +522,54 @@ class RayStage(StageHandle):
             if not final:
                 self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
 
+    def _pump_relays(self, final: bool = False) -> None:
+        """Each node's answers: every line and new beacon of its ranks (at the end, its last drain too)."""
+        last = _take_ready(self._relay_drains, timeout_s=2.0) if final else []
+        streams = list(self._relay_streams)
+        ready: list[Any] = ray.wait(streams, num_returns=len(streams), timeout=0)[0] if streams else []
+        for stream in ready:
+            node_id = self._relay_streams[stream]
+            try:
+                self._relayed(ray.get(next(stream)))
+            except (StopIteration, RayError) as exc:  # the relay is gone (its node too, or only it)
+                self._relay_lost(stream, node_id, final, exc)
+            else:
+                self._relay_silent.pop(node_id, None)
+        if self._relay_silent and not final:
+            now = time.monotonic()
+            for stream, node_id in list(self._relay_streams.items()):
+                if self._relay_silent.get(node_id, now) < now:
+                    with contextlib.suppress(Exception):
+                        ray.kill(self._relays[node_id], no_restart=True)
+                    self._relay_lost(stream, node_id, final, TimeoutError(f"no answer within {RELAY_START_S:g}s"))
+        for _node_id, ref in last:
+            with contextlib.suppress(RayError):
+                self._relayed(ray.get(ref))
+
+    def _relay_lost(self, stream: Any, node_id: str, final: bool, exc: BaseException) -> None:
+        """A node whose relay is gone: one drain per rank there, as before relays."""
+        del self._relay_streams[stream]
+        self._relays.pop(node_id, None)
+        self._relay_silent.pop(node_id, None)
+        live = [r for r in self._node_ranks.get(node_id, []) if r not in self._died and r not in self._reports]
+        _log.info("the relay of node %s is gone (%s): a drain per rank there", node_id[:12], _first_line(exc))
+        if not final:
+            for rank in live:
+                self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
+
+    def _relayed(self, drained: dict[str, Any]) -> None:
+        """One node's answer: its ranks' lines into their logs, their new beacons as one batch of events."""
+        for rank, lines in drained["lines"].items():
+            host = self._host(rank)
+            for line in lines:
+                self.logs.write_rank_line(rank, host, line)
+        beacons = drained["beacons"]
+        if beacons:
+            self.emit(*(RankBeacon(rank, RankProgress.from_dict(b), host=self._host(rank)) for rank, b in beacons.items()))
+        for rank, stage_dir in drained["dirs"].items():
+            if stage_dir:
+                self._stage_dirs[rank] = stage_dir
+
     def _fail(self, message: str) -> None:
         if self._state != "failed":
             self._state, self._failure = "failed", message
@@ -453,13 +580,16 @@ class RayStage(StageHandle):
             return
         with contextlib.suppress(RayError):
             if self._state in ("running", "failed") and self._actors:
-                for rank in range(len(self._actors)):  # last words of every rank, then the kill
-                    if rank not in self._died and rank not in self._drains.values():
+                for node_id, relay in self._relays.items():  # last words of every rank, then the kill
+                    self._relay_drains[relay.drain.remote(0.0, 0.0, True)] = node_id
+                relayed = {r for node_id in self._relays for r in self._node_ranks[node_id]}
+                for rank in range(len(self._actors)):
+                    if rank not in self._died and rank not in self._drains.values() and rank not in relayed:
                         self._drains[self._actors[rank].drain.remote(0.0)] = rank
                 self._pump_logs(final=True)
         local = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         pids = [p["pid"] for p in self._probes.values() if p["node_id"] == local]
-        for actor in self._actors:
+        for actor in (*self._actors, *self._relays.values()):
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         if self._pg is not None:
@@ -528,8 +658,11 @@ def _node_cpus() -> dict[str, float]:
         return {}
 
 
-def _take_ready(pending: dict[Any, int], timeout_s: float = 0) -> list[tuple[int, Any]]:
-    """Remove from ``pending`` (object ref -> rank) the refs that are ready; return them as (rank, ref)."""
+_K = TypeVar("_K")
+
+
+def _take_ready(pending: dict[Any, _K], timeout_s: float = 0) -> list[tuple[_K, Any]]:
+    """Remove from ``pending`` (object ref -> rank or node) the refs that are ready; return them as (rank, ref)."""
     refs = list(pending)
     if not refs:
         return []

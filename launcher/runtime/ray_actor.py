@@ -3,9 +3,10 @@
 The Ray counterpart of ``launcher.runtime.agent`` + ``launcher.runtime.worker`` under torchrun: the actor captures
 its own output for the launcher to stream, checks that Ray's ``CUDA_VISIBLE_DEVICES`` rewrite gave
 it the GPU it was granted, and then runs the shared per-rank runtime (``launcher.runtime.worker.run_rank``)
-with a step hook that exports step counters and times as Ray metrics for the dashboard. The
-launcher keeps one ``drain`` call in flight per actor: it returns the new output lines and the
-rank's latest beacon, so the launcher sees every rank live on whichever node it runs.
+with a step hook that exports step counters and times as Ray metrics for the dashboard. Each
+node of a stage also runs one ``NodeRelay``, which drains its co-located ranks' new output lines
+and reads their beacons, and answers the launcher's one call for the node, so the launcher sees
+every rank live on whichever node it runs (a node without a relay: one ``drain`` per actor).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 
@@ -169,12 +170,13 @@ class RankActor:
             "cpus": usable_cpu_count(),
         }
 
-    def drain(self, wait_s: float) -> dict[str, Any]:
+    def drain(self, wait_s: float, beacon: bool = True) -> dict[str, Any]:
         """The output lines since the last drain (waiting up to ``wait_s`` for one) and the rank's
-        latest beacon: the live channel to the launcher, on any node of the cluster."""
+        latest beacon: the live channel to the launcher (or to its node's ``NodeRelay``, which
+        reads the beacon file itself: ``beacon=False``), on any node of the cluster."""
         lines = self.tee.drain(wait_s)
-        beacon = read_json(self.beacon_path) if self.beacon_path else None
-        return {"lines": lines, "beacon": beacon if isinstance(beacon, dict) else None, "stage_dir": self.stage_dir}
+        latest = read_json(self.beacon_path) if self.beacon_path and beacon else None
+        return {"lines": lines, "beacon": latest if isinstance(latest, dict) else None, "stage_dir": self.stage_dir, "beacon_path": self.beacon_path}
 
     def signal(self, signum: int) -> None:
         """A signal to this rank's own process (SIGUSR1: its stacks into its output); the stop
@@ -207,6 +209,123 @@ class RankActor:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
+
+
+class NodeRelay:
+    """The live channel of one node's ranks, so that the launcher makes one call per node per
+    interval rather than one per rank (as a torchrun node's agent forwards its ranks' beacons in
+    one line every 0.25 s). A small actor (no CPU reserved) pinned to the node: it keeps one
+    ``RankActor.drain`` in flight per co-located rank for their output lines (calls inside the
+    node, not the launcher's), reads their beacon files itself (they are on this node), and
+    answers with everything new of all of them, at most every ``batch_s`` and at least every
+    ``wait_s``: on ``stream``, the launcher's one call for the whole stage (a streaming
+    generator, an answer per interval, nothing to submit each time), and on ``drain`` (the last
+    words at the stage's end). A rank whose actor is gone is left out (the
+    launcher learns of its death from the rank's own ``run`` call, as before)."""
+
+    INNER_WAIT_S = 1.0  # a rank's drain returns at once with lines, else after this: re-asked
+    CHECK_S = 0.05  # once an answer is due, how often the beacon files are looked at for news
+    FINAL_WAIT_S = 1.0  # the last words of every rank, at the stage's end
+
+    def __init__(self, ranks: dict[int, Any]) -> None:
+        self.actors = dict(ranks)  # rank -> its RankActor's handle
+        self.inflight: dict[Any, int] = {}
+        self.lines: dict[int, list[str]] = {}
+        self.paths: dict[int, str] = {}  # rank -> its beacon file, once it runs
+        self.dirs: dict[int, str] = {}  # rank -> its files' folder on this node, not sent yet
+        self.stamps: dict[int, tuple[int, int]] = {}  # rank -> (inode, mtime) of the beacon last sent
+        self.gone: set[int] = set()
+        self.answered = 0.0
+        self.lock = threading.Lock()
+
+    def stream(self, wait_s: float, batch_s: float) -> Iterator[dict[str, Any]]:
+        """``drain``'s answers one after the other, until the relay is killed with its stage."""
+        while True:
+            yield self.drain(wait_s, batch_s)
+
+    def drain(self, wait_s: float, batch_s: float = 0.0, final: bool = False) -> dict[str, Any]:
+        """``{"lines": {rank: [...]}, "beacons": {rank: {...}}, "dirs": {rank: path}}``: what is
+        new since the last answer. ``final``: every rank asked at once for its last lines."""
+        with self.lock:
+            if final:
+                self._final()
+                return self._answer(self._beacons())
+            deadline = time.monotonic() + wait_s
+            due = self.answered + batch_s
+            while True:
+                self._ask()
+                now = time.monotonic()
+                if now >= due or now >= deadline:
+                    beacons = self._beacons()
+                    if beacons or self.lines or self.dirs or now >= deadline:
+                        break
+                    pause = min(self.CHECK_S, deadline - now)
+                else:
+                    pause = min(due, deadline) - now
+                self._collect(max(0.0, pause))
+            self.answered = time.monotonic()
+            return self._answer(beacons)
+
+    def _ask(self) -> None:
+        asked = set(self.inflight.values())
+        for rank, actor in self.actors.items():
+            if rank not in asked and rank not in self.gone:
+                try:
+                    self.inflight[actor.drain.remote(self.INNER_WAIT_S, False)] = rank
+                except Exception:  # noqa: BLE001 - a handle of an actor already gone
+                    self.gone.add(rank)
+
+    def _collect(self, timeout_s: float, refs: list[Any] | None = None) -> None:
+        """The rank drains that are done within ``timeout_s`` (all of ``refs``, or of those in flight)."""
+        waiting = refs if refs is not None else list(self.inflight)
+        if not waiting:
+            time.sleep(timeout_s)
+            return
+        ray.wait(waiting, num_returns=len(waiting), timeout=timeout_s)
+        ready, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight), timeout=0)
+        for ref in ready:
+            rank = self.inflight.pop(ref)
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayError:
+                self.gone.add(rank)
+                continue
+            if got["lines"]:
+                self.lines.setdefault(rank, []).extend(got["lines"])
+            if got.get("beacon_path") and rank not in self.paths:
+                self.paths[rank] = got["beacon_path"]
+                self.dirs[rank] = got.get("stage_dir") or ""
+
+    def _final(self) -> None:
+        refs = []
+        for rank, actor in self.actors.items():
+            if rank not in self.gone:
+                with contextlib.suppress(Exception):
+                    ref = actor.drain.remote(0.0, False)
+                    self.inflight[ref] = rank
+                    refs.append(ref)
+        self._collect(self.FINAL_WAIT_S, refs)
+
+    def _beacons(self) -> dict[int, dict[str, Any]]:
+        """The beacons rewritten since last sent (a beacon is replaced by a rename: a new inode)."""
+        fresh = {}
+        for rank, path in self.paths.items():
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            stamp = (st.st_ino, st.st_mtime_ns)
+            if stamp != self.stamps.get(rank):
+                beacon = read_json(path)
+                if isinstance(beacon, dict):
+                    fresh[rank] = beacon
+                    self.stamps[rank] = stamp
+        return fresh
+
+    def _answer(self, beacons: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        out = {"lines": self.lines, "beacons": beacons, "dirs": self.dirs}
+        self.lines, self.dirs = {}, {}
+        return out
 
 
 def interface_of(ip: str) -> str | None:

@@ -423,7 +423,7 @@ def _apply_overrides(sourced: SourcedData, overrides: list[str] | tuple[str, ...
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
-            if raw.lstrip()[:1] in ("[", "{", '"', "'"):  # meant as a YAML list, mapping or quoted text: not plain text
+            if raw.lstrip()[:1] in ("[", "{"):  # meant as a YAML list or mapping: not plain text (other text is kept as written)
                 problems.append(_bad_yaml_value(key, raw.strip(), exc))
                 continue
             value = raw
@@ -454,12 +454,12 @@ def _bad_override(item: str, key: str, sep: str) -> str:
 
 
 def _bad_yaml_value(key: str, raw: str, exc: yaml.YAMLError) -> str:
-    """A ``--set`` value that starts a YAML list, mapping or quoted text and does not end it."""
+    """A ``--set`` value that starts a YAML list or mapping and does not end it."""
     pairs = (("[", "]", "list"), ("{", "}", "mapping"))
     unclosed = next((f"its {what} is not closed (no '{close}' for its '{open_}')" for open_, close, what in pairs
                      if raw.count(open_) > raw.count(close)), None)  # fmt: skip
     why = unclosed or f"{getattr(exc, 'problem', None) or 'it does not parse'}"
-    example = {"[": f"--set '{key}=[1, 2]'", "{": f"--set '{key}={{name: value}}'"}.get(raw[:1], f"--set '{key}=\"some text\"'")
+    example = f"--set '{key}=[1, 2]'" if raw[:1] == "[" else f"--set '{key}={{name: value}}'"
     return f"--set {key}={raw}: the value is not valid YAML: {why}; quote the whole of it for the shell, e.g. {example}"
 
 

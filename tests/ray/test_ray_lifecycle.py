@@ -105,7 +105,7 @@ def test_a_dry_run_with_an_address_plans_on_the_clusters_nodes_and_submits_nothi
         assert f"$ ray job submit --address {ray_head.address} --submission-id matmul_scaling-<run-id>" in run.stdout, run.stdout
         assert "placement group matmul_scaling-world4: 4 x {'CPU': 1.0}" in run.stdout and "planned on the cluster's nodes" in run.stdout
     too_big = launch(*args, "--set", "scaling.workers=[5]", env=ray_head.env)
-    assert too_big.returncode == 2 and "world size 5 requested, but only 4 worker slots exist" in too_big.stderr, too_big.stderr
+    assert too_big.returncode == 2 and "no world size of [5] fits: world size 5 needs 5 worker slot(s) per node but resources.cpu_workers gives 4" in too_big.stderr, too_big.stderr
     wrong = launch(*args, "--backend", "torchrun", env=ray_head.env)
     assert wrong.returncode == 2 and "--address: submits to a Ray cluster, but the backend is torchrun" in wrong.stderr, wrong.stderr
     assert {j["submission_id"] for j in _jobs(ray_head)} == before, "a job was submitted"

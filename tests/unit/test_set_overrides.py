@@ -45,3 +45,14 @@ def test_the_cli_says_it_in_one_line_exit_2():
     done = launch(str(SPEC), "--dry-run", "--set", "scaling.workers=[1,2")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--set 'scaling.workers=[1, 2]'" in done.stderr and "valid tuple" not in done.stderr, done.stderr
+
+
+def test_text_that_is_not_yaml_is_kept_as_written():
+    """Only a list or mapping left open is an error: other text (quotes, shell metacharacters and
+    all) that YAML cannot read is the value, as typed."""
+    from launcher.spec.model import load_job
+    from tests.conftest import REPO
+
+    text = "x; $(id) `id` 'q' \\'r\\' \"d\""
+    job = load_job(REPO / "jobs" / "matmul_scaling.yaml", [f"env.NOTE={text!r}"])
+    assert job.spec.env["NOTE"] == repr(text)

@@ -55,26 +55,36 @@ class HostLink:
         self._agents: list[subprocess.Popen] = []
         self._stderr: deque[str] = deque(maxlen=20)
         self._readers: list[threading.Thread] = []
+        self.opened = threading.Event()  # set once ``open`` has started the ssh client (or failed to)
 
     # --- the connection
 
     def open(self) -> None:
-        """Start the login (returns at once; requests wait for the helper's first line)."""
+        """Start the login (returns once the ssh client runs; requests wait for the helper's first
+        line). Logins to many hosts are opened from as many threads (``HostLinks.get``): on a
+        loaded machine one fork and exec of ssh takes 10-30 ms, 32 of them in a row most of a second."""
         mux = ["-M", "-S", str(self.control_path), "-o", "ControlMaster=yes", "-o", "ControlPersist=no"]
         helper = [self.host.python, "-m", HOST_MODULE, "serve", "--silence-s", f"{self.silence_s:g}", "--beat-s", f"{BEAT_S:g}"]
         self.opened_at = time.monotonic()
         try:
-            self.proc = subprocess.Popen(
-                ssh_argv(self.host, helper, mux),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # Ctrl-C is the launcher's to handle, not ssh's
-            )
+            with self._write:  # not after begin_close: a run that ends while logins start leaves no master
+                if self._closing:
+                    raise OSError("the run's connections are closing")
+                self.proc = subprocess.Popen(
+                    ssh_argv(self.host, helper, mux),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,  # Ctrl-C is the launcher's to handle, not ssh's
+                )
         except OSError as exc:
             self._stderr.append(f"cannot run the ssh client: {exc}")
-            self._eof = True
+            with self._cond:
+                self._eof = True
+                self._cond.notify_all()
             return
+        finally:
+            self.opened.set()
         for target, stream in ((self._read_answers, self.proc.stdout), (self._read_stderr, self.proc.stderr)):
             thread = threading.Thread(target=target, args=(stream,), daemon=True, name=f"gpulaunch-ssh-{self.host.name}")
             thread.start()
@@ -199,10 +209,11 @@ class HostLink:
 
     def begin_close(self) -> None:
         """Close the helper's stdin: it exits, and the master with it once no session is left."""
-        self._closing = True
-        if self.proc is not None and self.proc.stdin is not None:
-            with self._write, contextlib.suppress(OSError):
-                self.proc.stdin.close()
+        with self._write:
+            self._closing = True
+            if self.proc is not None and self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
 
     def finish_close(self, wait_s: float) -> None:
         """Wait for the master to exit, then end it (and any session left) by pid."""
@@ -261,19 +272,29 @@ class HostLinks:
         return host.model_dump_json() if hasattr(host, "model_dump_json") else repr(host)
 
     def get(self, host: HostConfig) -> HostLink:
+        """The host's connection, its login started by the first caller (outside the lock, so
+        callers in parallel threads start their hosts' logins in parallel)."""
         key = self._key(host)
         with self._lock:
             link = self._links.get(key)
+            created = link is None
             if link is None:
                 if self._dir is None:
                     self._dir = _socket_dir()  # 0700: ours alone
                 link = HostLink(host, self._dir / str(len(self._links)))
-                link.open()
                 self._links[key] = link
                 if self._pinger is None:
                     self._pinger = threading.Thread(target=self._ping, daemon=True, name="gpulaunch-ssh-ping")
                     self._pinger.start()
-            return link
+        if created:
+            link.open()
+        else:
+            link.opened.wait()
+        return link
+
+    def open_all(self, hosts: Iterable[HostConfig]) -> list[HostLink]:
+        """Every host's login started, from parallel threads; the links, in order."""
+        return _parallel(self.get, hosts)
 
     def links(self) -> list[HostLink]:
         with self._lock:
@@ -291,8 +312,9 @@ class HostLinks:
         for link in links:  # all at once: each host ends its helper in parallel
             link.begin_close()
         deadline = time.monotonic() + wait_s
-        for link in links:
-            link.finish_close(max(0.0, deadline - time.monotonic()))
+        # in parallel too: a master that does not exit in time costs its SIGTERM grace (2 s), once
+        # for all of them rather than once per host (a partition at the end of a run)
+        _parallel(lambda link: link.finish_close(max(0.0, deadline - time.monotonic())), links)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 

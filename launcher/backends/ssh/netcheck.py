@@ -86,7 +86,7 @@ def network_check(
     if not rounds:
         return judge([], min_fraction, 0.0, ifname)
     pool = links if links is not None else current_links()
-    host_links = [pool.get(host) for host in hosts]  # every login under way at once
+    host_links = _parallel(pool.get, hosts)  # every login under way at once, each from its own thread
     timing = plan_timing(budget_s)
 
     def listen(index: int) -> int | str:

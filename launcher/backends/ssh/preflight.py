@@ -120,12 +120,11 @@ def _judge_inventory(host: HostConfig, inventory: NodeInventory) -> tuple[NodeIn
 
 
 def preflight_reports(cluster: ClusterConfig, job: Any = None, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> list[HostReport]:
-    """Every host's login started at once from this thread, then every answer judged."""
+    """Every host's login started at once (each from its own thread: ``HostLinks.get``), then
+    every answer judged."""
     torch_version = local_torch_version()
     visible = job.spec.env.get("CUDA_VISIBLE_DEVICES") if job is not None else None
     hosts, links = cluster.hosts, current_links()
-    for host in hosts:
-        links.get(host)
 
     def check(index: int) -> HostReport:
         return check_host(hosts[index], torch_version=torch_version, first=index == 0, timeout_s=timeout_s, visible_devices=visible, links=links)

@@ -97,13 +97,13 @@ class SshTransport(Transport):
         """Close every lifeline at once, then wait for the ssh clients, which exit when their
         remote wrapper has stopped the agent and its ranks (it uses the same grace period). A lost
         host is not waited for: its sessions and its connection are ended here, by pid."""
-        waiting = []
+        waiting, lost = [], []
         for proc in procs:
             link = self._link_of.get(proc)
             if link is not None and link.lost():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                link.finish_close(wait_s=0.0)
+                lost.append(link)
                 continue
             if link is not None:
                 link.cut(proc)
@@ -111,6 +111,7 @@ class SshTransport(Transport):
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
             waiting.append(proc)
+        _parallel(lambda link: link.finish_close(wait_s=0.0), lost)  # each may take its master's SIGTERM grace
         deadline = time.monotonic() + grace_s + 5.0  # remote grace + SIGKILL + the way back
         for proc in waiting:
             try:
