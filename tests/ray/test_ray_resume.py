@@ -152,7 +152,8 @@ def test_a_stop_notice_saves_at_the_next_step_and_resume_finishes_with_the_same_
     resumed = Run(resume_run(run.run_dir, events=launcher.RunEvents(), metrics=False))
     assert resumed.exit_code == 0 and resumed.result["status"] == "succeeded", resumed.result.get("failure")
     assert resumed.result["run_id"] == result["run_id"] and resumed.result["backend"] == "ray"
-    assert resumed.result["stages"][0]["attempts"][0]["resumed_step"] == saved
+    stopped, again = resumed.result["stages"][0]["attempts"]  # the record keeps the stopped attempt, then the resumed one
+    assert stopped["checkpoint_step"] == saved and again["resumed_step"] == saved and again["status"] == "succeeded", (stopped, again)
     assert all(r["result"]["start_step"] == saved and not r["result"]["stopped_early"] for r in resumed.result["ranks"])
     assert resumed.shas() == uninterrupted.shas()
     assert (run.run_dir / "world2" / "resumed1" / "reports" / "rank0.json").is_file()  # the stopped attempt's, set aside
