@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Iterator, TypeVar
 
 import ray
@@ -210,6 +211,28 @@ def ray_session(job: Any) -> Iterator[None]:
         ray.shutdown()
         if ours:
             _kill_leftovers(ours)
+        if embedded and session_dir:
+            forget_discovery(session_dir)
+
+
+DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's Prometheus file-SD list of its nodes' metrics ports
+
+
+def forget_discovery(session_dir: str) -> bool:
+    """Remove what the embedded Ray wrote for Prometheus once it is gone: its session's discovery
+    file, and the link to it in Ray's temp root (``/tmp/ray/prom_metrics_service_discovery.json``,
+    which the shipped Prometheus config reads), left alone when another Ray has taken it since.
+    Else Prometheus keeps scraping the dead cluster's ports (targets down). True: it was ours."""
+    session = Path(session_dir)
+    link = session.parent / DISCOVERY_FILE
+    ours = False
+    with contextlib.suppress(OSError):
+        ours = link.is_symlink() and Path(os.path.realpath(link)).parent == Path(os.path.realpath(session))
+        if ours:
+            link.unlink()
+    with contextlib.suppress(OSError):
+        (session / DISCOVERY_FILE).unlink()
+    return ours
 
 
 class _AuthWords(logging.Filter):
