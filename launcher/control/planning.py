@@ -47,7 +47,7 @@ def device_notes(job: LoadedJob, nodes: Sequence[NodeTarget], device_type: str, 
     notes = slot_notes(job, per_node * len(nodes), device_type)
     if device_type == "cuda" and res.ranks_per_gpu > 1:
         notes.append(
-            f"resources.ranks_per_gpu: {res.ranks_per_gpu} ranks share each GPU (rank k on cuda:<local_rank // "
+            f"resources.ranks_per_gpu: {res.ranks_per_gpu} ranks share each GPU (each rank on cuda:<local_rank // "
             f"{res.ranks_per_gpu}>); the process group is gloo over CUDA tensors, as NCCL refuses two ranks on one GPU"
         )
     if device_type != "cpu" or res.device != "auto" or res.gpus_per_node in ("auto", 0):

@@ -96,7 +96,7 @@ class Resources(_Frozen):
     cpu_workers: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=1024)] = 2
     device: Literal["auto", "cuda", "cpu"] = "auto"
     # Ranks that share each GPU, as Ray's fractional GPUs (num_gpus: 1/k): a node runs k ranks per
-    # GPU it uses, rank k computing on cuda:<local_rank // k>. NCCL refuses two ranks on one GPU,
+    # GPU it uses, each rank computing on cuda:<local_rank // k>. NCCL refuses two ranks on one GPU,
     # so above 1 the process group is gloo over CUDA tensors (the plan says so). It lets every
     # multi-rank GPU path run on one GPU; ignored on the CPU (cpu_workers counts the ranks there).
     ranks_per_gpu: StrictInt = Field(1, ge=1, le=64)
