@@ -2,7 +2,7 @@
 
 The same work as one rank of ``launcher.workloads.matmul``: two random n x n matrices made on the
 device, ``warmup`` untimed products, then ``iters`` timed products (host clock around the loop,
-with a device synchronisation before and after on a GPU). Prints one JSON line: GFLOP/s per size,
+with a device synchronisation before and after on a GPU: ``launcher.workloads.probes.hand_loop_seconds``). Prints one JSON line: GFLOP/s per size,
 with each size's timed seconds and products.
 
     python benchmarks/hand_matmul.py --sizes 1024 --iters 50 --threads 2 [--device cuda]
@@ -20,28 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
-
-def hand_loop(device: Any, dtype: Any, n: int, *, iters: int, warmup: int = 3) -> float:
-    """Seconds for ``iters`` products of two n x n matrices, after ``warmup`` untimed ones."""
-    import torch
-
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(warmup):
-        torch.matmul(a, b)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        c = torch.matmul(a, b)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    del c
-    return seconds
+# the loop itself has one home, which the selftest's reference figure uses too
+from launcher.workloads.probes import hand_loop_seconds as hand_loop
 
 
 def iters_for_seconds(device: Any, dtype: Any, n: int, seconds: float) -> int:

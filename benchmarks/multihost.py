@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -304,26 +305,51 @@ def part_scale(cluster: Any, trees: dict[str, Tree], counts: list[int], reps: in
     return out
 
 
-def loss_record(cluster: Any, tree: Tree, cfg: Path, event: str) -> dict[str, Any]:
-    """A 3-host job that steps until stopped; then one host is powered off (every process of it
-    killed) or its link taken down. How long until the launcher says so, and what it says."""
+@dataclass
+class HostLoss:
+    """What a job saw when one of its hosts was lost mid-run (``lose_a_host``)."""
+
+    victim: str
+    t_event: float  # when the host was powered off or cut off (time.time())
+    exit_after_s: float  # from then to the launcher's exit
+    output: str  # the launcher's console
+    result: dict[str, Any]  # its result.json
+
+    @property
+    def lost_ranks(self) -> list[dict[str, Any]]:
+        return [r for r in self.result["ranks"] if (r.get("error") or {}).get("type") == "HostLost"]
+
+    @property
+    def declared_lost_after_s(self) -> float | None:
+        lost = self.lost_ranks
+        return lost[0]["error"]["time"] - self.t_event if lost else None
+
+
+def lose_a_host(
+    cluster: Any, cfg: Path, *, nodes: int, victim: Any, event: str, env: dict[str, str], pythonpath: str,
+    launch_args: tuple[str, ...] = (), start_timeout_s: float = 120, exit_timeout_s: float = 120, rendezvous_s: float = 60,
+    run_s: float = 300,
+) -> HostLoss:  # fmt: skip
+    """A job on ``nodes`` hosts that steps until stopped; once every rank runs, ``victim`` is
+    powered off (every process of it killed: ``event`` "kill") or its link taken down ("link"),
+    and the launcher is waited for; the host is brought back and every leftover ended."""
     work = Path(tempfile.mkdtemp(prefix="glb-loss-", dir=cluster.workdir))
     (work / "pids").mkdir()
     spec = {
         "name": "steady", "entrypoint": "tests.cluster.test_host_loss:steady_rank", "params": {"out": str(work / "pids")},
-        "resources": {"nodes": 3, "cpu_workers": 1}, "env": {"PYTHONPATH": f"{tree.root}{os.pathsep}{REPO}"},
-        "timeouts": {"rendezvous_s": 60, "run_s": 300},
-    }
+        "resources": {"nodes": nodes, "cpu_workers": 1}, "env": {"PYTHONPATH": pythonpath},
+        "timeouts": {"rendezvous_s": rendezvous_s, "run_s": run_s},
+    }  # fmt: skip
     (work / "steady.yaml").write_text(json.dumps(spec))
     out = cluster.out_dir(work.name)
-    argv = cluster.ns_cmd(sys.executable, "-m", "launcher", str(work / "steady.yaml"), "--cluster", str(cfg), "--out", str(out), "--no-metrics")
-    proc = subprocess.Popen(argv, cwd=work, env=tree.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    victim = cluster.hosts[1] if event == "kill" else cluster.hosts[2]
+    argv = cluster.ns_cmd(sys.executable, "-m", "launcher", str(work / "steady.yaml"), "--cluster", str(cfg), "--out", str(out), "--no-metrics",
+                          *launch_args)  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while len(list((work / "pids").glob("rank*.json"))) < 3:
+        deadline = time.monotonic() + start_timeout_s
+        while len(list((work / "pids").glob("rank*.json"))) < nodes:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{tree.name}: the ranks did not start: {proc.communicate(timeout=30)[0][-2000:]}")
+                raise RuntimeError(f"loss on {nodes} hosts: the ranks did not start: {(proc.communicate(timeout=60)[0] or '')[-3000:]}")
             time.sleep(0.1)
         time.sleep(1.0)
         t_event = time.time()
@@ -331,11 +357,11 @@ def loss_record(cluster: Any, tree: Tree, cfg: Path, event: str) -> dict[str, An
             cluster.power_off(victim)
         else:
             cluster.link(victim, up=False)
-        output = proc.communicate(timeout=120)[0]
+        output = proc.communicate(timeout=exit_timeout_s)[0]
         exit_after = time.time() - t_event
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, 9)
             proc.wait()
         if event == "kill":
             cluster.power_on(victim)
@@ -343,19 +369,27 @@ def loss_record(cluster: Any, tree: Tree, cfg: Path, event: str) -> dict[str, An
             cluster.link(victim, up=True)
         cluster.kill_leftovers()
     (result_path,) = out.glob("*/*/result.json")
-    failure = json.loads(result_path.read_text())["failure"] or {}
-    root = failure.get("root_cause") or {}
-    lost = [r for r in json.loads(result_path.read_text())["ranks"] if (r.get("error") or {}).get("type") == "HostLost"]
+    result = json.loads(result_path.read_text())
     shutil.rmtree(work, ignore_errors=True)
+    return HostLoss(victim.name, t_event, exit_after, output, result)
+
+
+def loss_record(cluster: Any, tree: Tree, cfg: Path, event: str) -> dict[str, Any]:
+    """A 3-host job that steps until stopped; then one host is powered off (every process of it
+    killed) or its link taken down. How long until the launcher says so, and what it says."""
+    victim = cluster.hosts[1] if event == "kill" else cluster.hosts[2]
+    loss = lose_a_host(cluster, cfg, nodes=3, victim=victim, event=event, env=tree.env(), pythonpath=f"{tree.root}{os.pathsep}{REPO}")
+    failure = loss.result["failure"] or {}
+    root = failure.get("root_cause") or {}
     return {
         "event": event,
-        "host": victim.name,
-        "exit_after_s": exit_after,
-        "declared_lost_after_s": lost[0]["error"]["time"] - t_event if lost else None,
+        "host": loss.victim,
+        "exit_after_s": loss.exit_after_s,
+        "declared_lost_after_s": loss.declared_lost_after_s,
         "summary": failure.get("summary"),
         "root_cause": None if not root else f"{root.get('host')}: {root.get('type')}",
         "collateral_ranks": failure.get("collateral_ranks"),
-        "could_not_fetch": "could not fetch" in output,
+        "could_not_fetch": "could not fetch" in loss.output,
     }
 
 

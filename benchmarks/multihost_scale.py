@@ -43,6 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import REPO, base_parser, bench_env, fmt, machine_info, median_range, rotate, run_timed, summary, write_result  # noqa: E402
+from benchmarks.multihost import lose_a_host  # noqa: E402
 
 JOB = REPO / "benchmarks" / "jobs" / "allreduce.yaml"
 BUDGET_S = 3.0
@@ -158,56 +159,21 @@ def job_record(cluster: Any, cfg: Path, n: int) -> dict[str, Any]:
 
 def loss_record(cluster: Any, cfg: Path, n: int, event: str) -> dict[str, Any]:
     """A job on N hosts that steps until stopped; then its last host powered off or cut off."""
-    work = Path(tempfile.mkdtemp(prefix="glb-mhl-", dir=cluster.workdir))
-    (work / "pids").mkdir()
-    spec = {
-        "name": "steady", "entrypoint": "tests.cluster.test_host_loss:steady_rank", "params": {"out": str(work / "pids")},
-        "resources": {"nodes": n, "cpu_workers": 1}, "env": {"PYTHONPATH": str(REPO)},
-        "timeouts": {"rendezvous_s": 300, "run_s": 600},
-    }  # fmt: skip
-    (work / "steady.yaml").write_text(json.dumps(spec))
-    out = cluster.out_dir(work.name)
-    argv = cluster.ns_cmd(sys.executable, "-m", "launcher", str(work / "steady.yaml"), "--cluster", str(cfg), "--out", str(out), "--no-metrics", "--quiet")
-    proc = subprocess.Popen(argv, cwd=work, env=bench_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    victim = cluster.hosts[n - 1]
     load0 = _load()
-    try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while len(list((work / "pids").glob("rank*.json"))) < n:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"loss on {n} hosts: the ranks did not start: {(proc.communicate(timeout=60)[0] or '')[-3000:]}")
-            time.sleep(0.2)
-        time.sleep(1.0)
-        t_event = time.time()
-        if event == "kill":
-            cluster.power_off(victim)
-        else:
-            cluster.link(victim, up=False)
-        output = proc.communicate(timeout=180)[0]
-        exit_after = time.time() - t_event
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        if event == "kill":
-            cluster.power_on(victim)
-        else:
-            cluster.link(victim, up=True)
-        cluster.kill_leftovers()
-    (result_path,) = out.glob("*/*/result.json")
-    result = json.loads(result_path.read_text())
-    lost = [r for r in result["ranks"] if (r.get("error") or {}).get("type") == "HostLost"]
-    shutil.rmtree(work, ignore_errors=True)
-    detected = lost[0]["error"]["time"] - t_event if lost else None
+    loss = lose_a_host(
+        cluster, cfg, nodes=n, victim=cluster.hosts[n - 1], event=event, env=bench_env(), pythonpath=str(REPO), launch_args=("--quiet",),
+        start_timeout_s=LAUNCH_TIMEOUT_S, exit_timeout_s=180, rendezvous_s=300, run_s=600,
+    )  # fmt: skip
+    lost, detected = loss.lost_ranks, loss.declared_lost_after_s
     return {
         "event": event,
-        "host": victim.name,
+        "host": loss.victim,
         "detected_s": detected,
-        "exit_s": exit_after,
-        "teardown_after_loss_s": None if detected is None else exit_after - detected,
-        "summary": (result.get("failure") or {}).get("summary"),
+        "exit_s": loss.exit_after_s,
+        "teardown_after_loss_s": None if detected is None else loss.exit_after_s - detected,
+        "summary": (loss.result.get("failure") or {}).get("summary"),
         "lost_ranks": [r["rank"] for r in lost],
-        "output_tail": output[-400:] if not lost else "",
+        "output_tail": loss.output[-400:] if not lost else "",
         "load_1min": [load0, _load()],
     }
 

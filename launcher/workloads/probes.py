@@ -131,14 +131,14 @@ def matmul_tflops(device: Any, dtype: str, n: int, *, repeat: int | None = None,
     return rate(ms, 2.0 * n**3 / 1e12, "TFLOP/s", repeat)
 
 
-def hand_loop_tflops(device: Any, dtype: str, n: int, *, iters: int, warmup: int = 3) -> Trials:
-    """The matmul loop people write by hand (``benchmarks/hand_matmul.py``'s): ``warmup`` products,
-    then ``iters`` of them with the host clock around the loop and the device drained before and
-    after. One figure, no trials: the reference the selftest's own figure is set beside."""
+def hand_loop_seconds(device: Any, dtype: Any, n: int, *, iters: int, warmup: int = 3) -> float:
+    """The matmul loop people write by hand: ``warmup`` products of two n x n matrices of ``dtype``
+    (a torch dtype), then ``iters`` of them with the host clock around the loop and the device
+    drained before and after; the loop's seconds. ``benchmarks/hand_matmul.py`` times this too."""
     import torch
 
-    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
-    b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(warmup):
         torch.matmul(a, b)
     if device.type == "cuda":
@@ -148,7 +148,15 @@ def hand_loop_tflops(device: Any, dtype: str, n: int, *, iters: int, warmup: int
         torch.matmul(a, b)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def hand_loop_tflops(device: Any, dtype: str, n: int, *, iters: int, warmup: int = 3) -> Trials:
+    """The hand loop (``hand_loop_seconds``) as one figure, no trials: the reference the
+    selftest's own figure is set beside."""
+    import torch
+
+    seconds = hand_loop_seconds(device, getattr(torch, dtype), n, iters=iters, warmup=warmup)
     tflops = 2.0 * n**3 * iters / seconds / 1e12
     return Trials(tflops, tflops, tflops, 1, "TFLOP/s", iters, round(seconds, 4))
 

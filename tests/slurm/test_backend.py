@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from launcher.procutil import cmdline
 from tests.conftest import REPO
 from tests.netns import netns_pids
 from tests.slurm.slurmrig import SlurmRig, alive
@@ -250,11 +251,16 @@ def test_a_lost_node_fails_the_run_naming_it(make_slurm_rig, launcher, tmp_path:
     run.wait_running(2)
     t0 = time.monotonic()
     rig.kill_node("n1")
+    assert_batch_host_named_lost(rig, run, t0, "batch host n1 lost")
+
+
+def assert_batch_host_named_lost(rig: SlurmRig, run: Launch, t0: float, what: str) -> None:
+    """launch exits 1 within the node's loss detection, naming n1 lost, and n2's step is gone."""
     assert run.wait(90) == 1, run.output()
     teardown = time.monotonic() - t0
     result = result_of(run.run_dir())
     assert result["failure"]["summary"].startswith("lost node n1 ("), result["failure"]
-    print(f"batch host n1 lost -> launch exited 1 after {teardown:.1f}s: {result['failure']['summary']}")
+    print(f"{what} -> launch exited 1 after {teardown:.1f}s: {result['failure']['summary']}")
     assert teardown < 3 * rig.slurmd_timeout + 5, run.output()
     assert rig.wait_clean(10).get("n2") is None, "n2's step outlived the job"
 
@@ -269,15 +275,7 @@ def test_a_batch_host_lost_just_after_its_script_was_reported_ended_is_named(mak
     run = launcher(rig, str(write_spec(tmp_path, "lost-script-first", params={"fault": "sleep"})))
     run.wait_running(2)
     job_id = run.job_id()
-    ns = rig.node("n1").ns
-
-    def cmdline(pid: int) -> str:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            return ""
-
-    pids = {pid: cmdline(pid) for pid in netns_pids(ns) if alive(pid)}
+    pids = {pid: " ".join(cmdline(pid)) for pid in netns_pids(rig.node("n1").ns) if alive(pid)}
     shells = [pid for pid, cmd in pids.items() if "slurm_script" in cmd]
     stepd = [pid for pid, cmd in pids.items() if cmd.startswith(f"slurmstepd: [{job_id}.batch]")]
     assert len(shells) == 1 and len(stepd) == 1, pids
@@ -287,13 +285,7 @@ def test_a_batch_host_lost_just_after_its_script_was_reported_ended_is_named(mak
     os.kill(shells[0], signal.SIGKILL)
     rig.wait_for("the batch script reported ended", lambda: slurm_state(rig, job_id) != "RUNNING", 20, 0.05)
     rig.kill_node("n1")
-    assert run.wait(90) == 1, run.output()
-    teardown = time.monotonic() - t0
-    result = result_of(run.run_dir())
-    assert result["failure"]["summary"].startswith("lost node n1 ("), result["failure"]
-    print(f"batch host n1 lost after its script was reported ended -> launch exited 1 after {teardown:.1f}s: {result['failure']['summary']}")
-    assert teardown < 3 * rig.slurmd_timeout + 5, run.output()
-    assert rig.wait_clean(10).get("n2") is None, "n2's step outlived the job"
+    assert_batch_host_named_lost(rig, run, t0, "batch host n1 lost after its script was reported ended")
 
 
 STOP_ROUNDS = 3  # the bug this guards against (FAILED in Slurm's record) came in 2 of 5 stops on another rig

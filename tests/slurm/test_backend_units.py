@@ -195,6 +195,26 @@ sys.exit(3)
 CANCELLED, REQUEUED = "scancel --quiet 4242", "scontrol requeue 4242"
 
 
+def _start_batch_shell(tmp_path: Path, body: list[str]) -> subprocess.Popen:
+    """The batch script's ``body`` run by bash as Slurm would, with stand-in ``scancel`` and
+    ``scontrol`` that write what they were asked into ``tmp_path/asked``."""
+    (tmp_path / "bin").mkdir()
+    for command in ("scancel", "scontrol"):
+        (tmp_path / "bin" / command).write_text(f'#!/bin/sh\necho "{command} $*" >> {tmp_path / "asked"}\n')
+        (tmp_path / "bin" / command).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text("\n".join(["#!/bin/bash", *body]) + "\n")
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    return subprocess.Popen(["bash", str(script)], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+
+
+def _wait_ready(notes: Path, timeout_s: float = 20) -> None:
+    """Until the stand-in launcher has written "ready" (its handlers are set)."""
+    deadline = time.monotonic() + timeout_s
+    while "ready" not in (notes.read_text() if notes.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize(
     "mode, signals, code, asked",
     [
@@ -224,20 +244,10 @@ def test_the_batch_script_ends_the_job_as_the_launcher_inside_did(tmp_path, monk
     the launcher once, the shell stays; 0 and 1 are passed on alone."""
     monkeypatch.setattr(slurm_script, "SIGNAL_EARLY_S", 0)  # the wait for Slurm's end: warn_s alone
     (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
-    (tmp_path / "bin").mkdir()
-    for command in ("scancel", "scontrol"):
-        (tmp_path / "bin" / command).write_text(f'#!/bin/sh\necho "{command} $*" >> {tmp_path / "asked"}\n')
-        (tmp_path / "bin" / command).chmod(0o755)
     notes = tmp_path / "notes"
-    script = tmp_path / "job.sbatch"
-    body = batch_body([sys.executable, str(tmp_path / "launcher.py"), mode, str(notes)], 1)
-    script.write_text("\n".join(["#!/bin/bash", *body]) + "\n")
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
-    shell = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    shell = _start_batch_shell(tmp_path, batch_body([sys.executable, str(tmp_path / "launcher.py"), mode, str(notes)], 1))
     try:
-        deadline = time.monotonic() + 20
-        while "ready" not in (notes.read_text() if notes.exists() else "") and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_ready(notes)
         launcher = int((tmp_path / "notes.pid").read_text())
         for name in signals.split():
             if name == "wait":  # the launcher has ended meanwhile
@@ -277,21 +287,12 @@ def test_a_signal_while_the_launcher_starts_is_not_lost(tmp_path, sig, asked, sa
     own SIGTERM to the whole batch step ends the launcher, and the shell stays to report."""
     launcher_py, notes, signalled = tmp_path / "launcher.py", tmp_path / "notes", tmp_path / "signalled"
     launcher_py.write_text(FAKE_LAUNCHER)
-    (tmp_path / "bin").mkdir()
-    for command in ("scancel", "scontrol"):
-        (tmp_path / "bin" / command).write_text(f'#!/bin/sh\necho "{command} $*" >> {tmp_path / "asked"}\n')
-        (tmp_path / "bin" / command).chmod(0o755)
     body = batch_body([sys.executable, str(launcher_py), "save", str(notes)], 1)
     started = next(i for i, ln in enumerate(body) if str(launcher_py) in ln)
     body.insert(started + 1, f"until [ -e {signalled} ]; do sleep 0.02; done  # the window, held open")
-    script = tmp_path / "job.sbatch"
-    script.write_text("\n".join(["#!/bin/bash", *body]) + "\n")
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
-    shell = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    shell = _start_batch_shell(tmp_path, body)
     try:
-        deadline = time.monotonic() + 20
-        while "ready" not in (notes.read_text() if notes.exists() else "") and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_ready(notes)
         os.kill(shell.pid, getattr(signal, f"SIG{sig}"))
         if sig == "TERM":  # Slurm signals every process of the batch step
             os.kill(int((tmp_path / "notes.pid").read_text()), signal.SIGTERM)
