@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, TypeVar
@@ -183,7 +185,7 @@ def ray_session(job: Any) -> Iterator[None]:
     auth = _AuthWords()
     try:
         if embedded:
-            with _loopback_only(), auth.listening():
+            with _loopback_only(), auth.listening(), _keeping_stop_handlers():
                 ctx = ray.init(
                     address="local",
                     num_cpus=_embedded_cpus(job),
@@ -194,7 +196,8 @@ def ray_session(job: Any) -> Iterator[None]:
                     **common,
                 )
         else:
-            ctx = ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", **common)
+            with _keeping_stop_handlers():
+                ctx = ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", **common)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise BackendError(f"cannot start Ray: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if ctx.dashboard_url:
@@ -213,6 +216,21 @@ def ray_session(job: Any) -> Iterator[None]:
             _kill_leftovers(ours)
         if embedded and session_dir:
             forget_discovery(session_dir)
+
+
+@contextlib.contextmanager
+def _keeping_stop_handlers() -> Iterator[None]:
+    """``ray.init`` installs its own SIGTERM handler (it exits the process at once): the run's
+    handlers, set before it, stay, so a SIGTERM still stops the stage, tears it down and writes
+    the result as it does on every other backend."""
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():  # handlers are the main thread's
+            for signum, handler in kept.items():
+                if handler is not None:
+                    signal.signal(signum, handler)
 
 
 DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's Prometheus file-SD list of its nodes' metrics ports

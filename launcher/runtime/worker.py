@@ -218,6 +218,11 @@ class _Rank:
         self.beacon.set_phase("pg_init")
         enable_flight_recorder(_torch_version())  # which collective each rank is in, should the stage stall
         _init_group(self.dist, self.config, device, *joined)
+        # Every rank past init before any goes on: a rank whose job ends at once would otherwise
+        # destroy its group while a peer the machine has not scheduled yet is still connecting
+        # (gloo's connectFullMesh then fails with "Connection closed by peer").
+        store, rank, world_size = joined
+        _wait_for_every_rank(self.dist, store, rank, world_size, self.config.rendezvous_timeout_s, phase="grouped", hold_store=rank == 0)
         self.phases["pg_ready"] = time.time()
 
     def run_entry(self, entry: Callable[[Any], Any], device: Any) -> None:
@@ -432,23 +437,32 @@ def _init_group(dist: Any, config: WorkerConfig, device: Any, store: Any, rank: 
     store.set_timeout(kwargs.get("timeout") or _default_collective_timeout(config.pg_backend))
 
 
-def _wait_for_every_rank(dist: Any, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
-    """Return once all ``world_size`` ranks have reached this point; fail after ``timeout_s``."""
+def _wait_for_every_rank(
+    dist: Any, store: Any, rank: int, world_size: int, timeout_s: float, phase: str = "arrived", hold_store: bool = False
+) -> None:
+    """Return once all ``world_size`` ranks have reached this point (``phase`` names it); fail
+    after ``timeout_s``. ``hold_store``: the rank serving the store (rank 0 on Ray) also waits
+    until every rank has seen the barrier open, so its store outlives every peer's wait."""
     from datetime import timedelta
 
     # per restart of the group: torchrun's agent store outlives a restart of its workers
-    key = f"gpulaunch/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = f"gpulaunch/{phase}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if store.add(key, 1) == world_size:
         store.set(key + "/all", "1")
     try:
         store.wait([key + "/all"], timedelta(seconds=timeout_s))
+        if store.add(key + "/passed", 1) == world_size:
+            store.set(key + "/passed/all", "1")
+        if hold_store:
+            store.wait([key + "/passed/all"], timedelta(seconds=timeout_s))
     except dist.DistStoreError as exc:  # the wait timed out (a lost store raises DistNetworkError)
         try:
             arrived = str(store.add(key, 0))
         except Exception:  # noqa: BLE001 - the count is only for the message
             arrived = "?"
         raise TimeoutError(
-            f"rendezvous: {arrived} of {world_size} ranks arrived within timeouts.rendezvous_s={timeout_s:g}s "
+            f"{'rendezvous' if phase == 'arrived' else 'process group set-up'}: {arrived} of {world_size} ranks "
+            f"arrived within timeouts.rendezvous_s={timeout_s:g}s "
             f"(rank {rank} waited for the others): {exc}"
         ) from exc
 
