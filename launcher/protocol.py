@@ -52,7 +52,7 @@ LOG_PREFIX_SEPARATOR = "| "  # rank lines arrive as "host:rank| text"
 PORT_IN_USE_EXIT = 98
 
 
-def rank_device(device_type: str, local_rank: int, ranks_per_gpu: int = 1) -> str:
+def rank_device(device_type: str, local_rank: int, ranks_per_gpu: int) -> str:
     """The device a rank computes on: ``cuda:<local_rank // ranks_per_gpu>`` (the node's GPU at
     that index, of those the rank sees: ranks that share a GPU are neighbours), or ``cpu``. The
     one rule: the plan names it, the rank takes it."""
@@ -136,7 +136,9 @@ class StagePaths:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What every rank's runtime needs; written once per stage as ``worker.json``."""
+    """What every rank's runtime needs; written once per stage as ``worker.json`` (by the same
+    launcher the ranks run). Values only: every field is given (``control.planning`` fills them
+    from the spec, whose model states each setting's default)."""
 
     job: str
     stage_dir: str
@@ -152,23 +154,23 @@ class WorkerConfig:
     params: Mapping[str, Any]  # resolved: the workload's defaults filled in, as the dry run shows
     rendezvous_timeout_s: float  # bounds the ranks' rendezvous (store connect, every rank arrived)
     # bounds each collective (the process group's timeout); None: torch's default for pg_backend
-    collective_timeout_s: float | None = None
-    run_id: str = ""  # the run this stage belongs to (metrics labels)
+    collective_timeout_s: float | None
+    run_id: str  # the run this stage belongs to (metrics labels)
     # straggler detection: time the job's DDP models (gradient and optimizer hooks; spec: monitoring.stragglers)
-    time_ddp: bool = True
+    time_ddp: bool
     # ``ctx.checkpoint``: where this stage's checkpoints live on every host (a shared filesystem's
     # path, or the same path on each host's own disk), how many complete ones to keep, and what a
     # checkpoint must carry to be this job's (its name and program: ``job_identity``)
-    checkpoint_dir: str = ""
-    checkpoint_keep: int = 2
-    job_identity: str = ""
-    attempt: int = 0  # 0 for the stage's first start, then one more per restart
-    stop_grace_s: float = 60.0  # a stop notice's deadline: the seconds the job has to save and return
+    checkpoint_dir: str
+    checkpoint_keep: int
+    job_identity: str
+    attempt: int  # 0 for the stage's first start, then one more per restart
+    stop_grace_s: float  # a stop notice's deadline: the seconds the job has to save and return (spec: preemption.grace_s)
     # each GPU rank checks its own GPU's health through NVML before it joins the group (spec:
     # preflight.gpu_health): the check reaches the hosts no preflight logs in to (Ray, Slurm nodes)
-    gpu_health: bool = False
+    gpu_health: bool
     # ranks that share each GPU (spec: resources.ranks_per_gpu); above 1 the group runs on gloo
-    ranks_per_gpu: int = 1
+    ranks_per_gpu: int
 
     @property
     def paths(self) -> StagePaths:

@@ -1,7 +1,9 @@
 """Typed records that cross the launcher's modules: statuses, failures, stage outcomes.
 
 Built in one place each (the run loop builds outcomes, ``control.diagnosis`` failures) and turned
-into plain data only at the edge (``to_dict`` for result.json). Standard library only.
+into plain data only at the edge (``to_dict`` for result.json). What a stage does about a failure,
+a hang or a straggler (the failure classes and the policies) is ``launcher.policies``'. Standard
+library only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher.policies import FailureClass
 from launcher.protocol import RankReport
 
 
@@ -67,29 +70,6 @@ class FailureReason(str, enum.Enum):
             FailureReason.INTERRUPTED: RunStatus.INTERRUPTED,
             FailureReason.HUNG: RunStatus.HUNG,
         }.get(self, RunStatus.FAILED)
-
-
-class FailureClass(str, enum.Enum):
-    """What kind of failure ended an attempt: what ``restart_on`` chooses among."""
-
-    JOB_ERROR = "job_error"  # an exception raised by the job's own code
-    OOM = "oom"  # the kernel's OOM killer, or the device out of memory
-    HOST_LOST = "host_lost"  # an SSH host, a Slurm node that stopped answering
-    RANK_LOST = "rank_lost"  # a rank killed by a signal, or that exited without an exception; a Ray actor that died
-    HANG = "hang"  # no progress for timeouts.hang_s
-    RENDEZVOUS = "rendezvous"  # the ranks could not meet (store, timeout) before the job ran
-    TIMEOUT = "timeout"  # timeouts.run_s ran out
-    STOPPED = "stopped"  # Ctrl-C, SIGTERM, launch stop: never restarted
-    PREEMPTED = "preempted"  # stopped after a notice the job saved for: ``launch resume`` continues it
-
-    @classmethod
-    def restartable(cls) -> tuple["FailureClass", ...]:
-        """Every class a restart can be for ("all" in restart_on): not a user's stop."""
-        return tuple(c for c in cls if c not in (cls.STOPPED, cls.PREEMPTED))
-
-
-# restart_on's default: what a restart is for (not a bug in the job, not a timeout it was given)
-DEFAULT_RESTART_ON: tuple[Any, ...] = ("oom", "host_lost", "rank_lost", "hang", "rendezvous")
 
 
 @dataclass(frozen=True)
@@ -246,48 +226,6 @@ class HangDiagnosis:
             "culprits": [c.to_dict() for c in self.culprits], "groups": [g.to_dict() for g in self.groups],
             "evidence_dir": self.evidence_dir, "gather_s": round(self.gather_s, 2),
         }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class HangPolicy:
-    """When a stage counts as hung (``hang_s`` without progress; None: never) and what follows."""
-
-    hang_s: float | None = 300.0
-    on_hang: str | None = None  # "stop" | "restart" | None: as the restart policy says
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """Which failures a stage restarts for, how often, and a stop notice's grace."""
-
-    max_restarts: int = 0
-    restart_on: frozenset[FailureClass] = frozenset(FailureClass(c) for c in DEFAULT_RESTART_ON)
-    stop_grace_s: float = 60.0
-
-    @classmethod
-    def of(cls, max_restarts: int, restart_on: tuple[str, ...], on_hang: str | None, stop_grace_s: float) -> "RestartPolicy":
-        classes = set(FailureClass.restartable() if "all" in restart_on else (FailureClass(c) for c in restart_on))
-        if on_hang == "restart":
-            classes.add(FailureClass.HANG)
-        elif on_hang == "stop":
-            classes.discard(FailureClass.HANG)
-        return cls(max_restarts, frozenset(classes), stop_grace_s)
-
-
-@dataclass(frozen=True)
-class StragglerPolicy:
-    """When a rank counts as a straggler: its own work per step above ``factor`` times its peers'
-    median for ``hold_s`` seconds in a row, by more than the machine's noise: at least
-    ``MIN_EXCESS_S``, and ``NOISE_K`` times the rank's own step-to-step spread (a rank that a busy
-    CPU delays now and then has a wide spread; one that is slower every step, a narrow one). A
-    figure is judged once it covers ``WARM_STEPS`` steps: a run's first steps (allocations, lazy
-    initialisation) say nothing about a rank's pace."""
-
-    factor: float = 1.5
-    hold_s: float = 5.0
-    MIN_EXCESS_S = 0.001  # below a millisecond a ratio says nothing a user can act on
-    NOISE_K = 3.0
-    WARM_STEPS = 20  # the rank's work clock's window (launcher.runtime.workclock.RECENT_STEPS)
 
 
 @dataclass

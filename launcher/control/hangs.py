@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, is_job_code
-from launcher.records import HangCulprit, HangDiagnosis, HangGroup, HangPolicy
+from launcher.policies import HangPolicy
+from launcher.records import HangCulprit, HangDiagnosis, HangGroup
 from launcher.stage.plan import RankSlot
 from launcher.stage.watch import StageProgress
 

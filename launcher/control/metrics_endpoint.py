@@ -114,7 +114,7 @@ class StageSample:
     world_size: int
     restarts: int
     ranks: tuple[RankSample, ...]
-    samples_per_step: int | None = None
+    samples_per_step: int | None  # spec: monitoring.samples_per_step
 
 
 class _StepRate:

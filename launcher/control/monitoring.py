@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class MetricsEvents(RunEvents):
     """Serves ``/metrics`` on 127.0.0.1 for the run's lifetime (``start`` ... ``close``)."""
 
-    def __init__(self, job: str, run_id: str, backend: str, samples_per_step: int | None = None) -> None:
+    def __init__(self, job: str, run_id: str, backend: str, samples_per_step: int | None) -> None:
         self.job, self.run_id, self.backend = job, run_id, backend
         self.samples_per_step = samples_per_step
         self.endpoint = MetricsEndpoint()

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Sequence
 from launcher.checkpoints import job_identity
 from launcher.errors import PlanError
 from launcher.protocol import StagePaths, WorkerConfig, rank_device
-from launcher.records import HangPolicy, RestartPolicy, SkippedWorld, StragglerPolicy
+from launcher.policies import HangPolicy, RestartPolicy, StragglerPolicy
+from launcher.records import SkippedWorld
 from launcher.stage.plan import LOOPBACK_ADDR, auto_world_sizes, NodeSlot, NodeTarget, RankSlot, Rendezvous, StagePlan, node_env, user_threads
 
 if TYPE_CHECKING:  # pydantic and yaml: the planner itself needs neither

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from launcher.protocol import ACTOR_DIED, HOST_LOST, NODE_LOST, RankError, RankProgress, is_peer_loss
-from launcher.records import AttemptRecord, FailureClass, FailureReason, RestartPolicy, RootCause, StageOutcome
+from launcher.policies import FailureClass, RestartPolicy
+from launcher.records import AttemptRecord, FailureReason, RootCause, StageOutcome
 
 # errors a rank raises while it meets the others, before the job's code runs
 _RENDEZVOUS_ERRORS = re.compile(r"DistStoreError|DistNetworkError|RendezvousTimeout|RendezvousError|RendezvousClosed|TimeoutError|ConnectionRefused")

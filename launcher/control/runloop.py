@@ -26,7 +26,8 @@ from launcher.control.stragglers import StragglerWatch
 from launcher.masking import scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import HOST_LOST, STOP_NOTICE_SIGNAL, RankProgress, RankReport, is_peer_loss
-from launcher.records import AttemptRecord, BackendName, Failure, FailureClass, FailureReason, HangDiagnosis, RunStatus, StageOutcome
+from launcher.policies import FailureClass
+from launcher.records import AttemptRecord, BackendName, Failure, FailureReason, HangDiagnosis, RunStatus, StageOutcome
 from launcher.stage.engine import HandleStatus, StageEngine, StageHandle
 from launcher.stage.logrouting import LogRouter
 from launcher.stage.plan import StagePlan

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
-from launcher.records import Straggler, StragglerPolicy
+from launcher.policies import StragglerPolicy
+from launcher.records import Straggler
 
 if TYPE_CHECKING:
     from launcher.stage.plan import RankSlot

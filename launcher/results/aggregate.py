@@ -14,7 +14,8 @@ from statistics import median
 from typing import Any, Mapping, Sequence
 
 from launcher.protocol import RankReport
-from launcher.records import AttemptRecord, Failure, FailureClass, RunStatus, StageOutcome, Straggler
+from launcher.policies import FailureClass
+from launcher.records import AttemptRecord, Failure, RunStatus, StageOutcome, Straggler
 from launcher.results.record import RunRecord, StageRecord
 
 PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")

@@ -31,7 +31,7 @@ class WorkerContext:
     stop_notice: "StopNotice"
     # how many ranks of the node compute on this rank's GPU (resources.ranks_per_gpu; 1 on the CPU):
     # above 1 the process group is gloo over CUDA tensors, since NCCL refuses two ranks on one GPU
-    ranks_per_gpu: int = 1
+    ranks_per_gpu: int
 
     @property
     def should_stop(self) -> bool:

@@ -2,6 +2,10 @@
 
 Every problem in a file is collected and reported together, each as one line naming the file,
 the line and the dotted field path, with a "did you mean" for misspelt keys.
+
+Every setting's default is stated here, once: what carries a setting on (the rank contract's
+``WorkerConfig``, the stage plan, ``launcher.policies``) takes its value from a loaded spec and
+states no default of its own (tests/unit/test_defaults_once.py holds that).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pydantic import (
 
 from launcher.errors import SpecError
 from launcher.fieldtypes import Real
-from launcher.records import DEFAULT_RESTART_ON, BackendName
+from launcher.records import BackendName
 from launcher.spec.entrypoint import check_entrypoint
 from launcher.spec.validation import field_label, located_problems
 from launcher.spec.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
@@ -309,7 +313,8 @@ class JobSpec(_Frozen):
     # Which failures spend a restart: job_error (an exception in the job's code), oom, host_lost,
     # rank_lost (killed, exited), hang, rendezvous, timeout (timeouts.run_s); "all" for every one.
     # A user's stop never restarts, nor a job error that repeats the previous attempt's traceback.
-    restart_on: tuple[RestartClass, ...] = Field(DEFAULT_RESTART_ON, min_length=1, max_length=16)
+    # The default: what a restart is for (not a bug in the job, not a timeout it was given).
+    restart_on: tuple[RestartClass, ...] = Field(("oom", "host_lost", "rank_lost", "hang", "rendezvous"), min_length=1, max_length=16)
     checkpoint: CheckpointSettings = CheckpointSettings()
     preemption: Preemption = Preemption()
     preflight: PreflightSettings = PreflightSettings()

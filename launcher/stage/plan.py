@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from launcher.masking import mask_env
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_RANK_DEVICE, ENV_STAGE_DIR, StagePaths, WorkerConfig, rank_device
-from launcher.records import HangPolicy, RestartPolicy, StragglerPolicy
+from launcher.policies import HangPolicy, RestartPolicy, StragglerPolicy
 from launcher.runtime.devices import GpuInfo, NodeInventory
 
 if TYPE_CHECKING:  # pydantic: the plan itself needs none of it
@@ -69,6 +69,9 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class StagePlan:
+    """One stage's plan. The spec's settings it carries (``spec_env``, ``placement``, the policies)
+    are values the plan was given: their defaults are the spec model's alone."""
+
     job: str
     backend: str
     paths: StagePaths
@@ -81,11 +84,11 @@ class StagePlan:
     worker: WorkerConfig
     run_timeout_s: float
     restart: RestartPolicy
-    spec_env: Mapping[str, str] = field(default_factory=dict)
+    spec_env: Mapping[str, str]
     # how a backend that places ranks itself (Ray) spreads them: pack | spread | strict_pack | strict_spread
-    placement: str = "pack"
-    stragglers: StragglerPolicy = StragglerPolicy()
-    hang: HangPolicy = HangPolicy()
+    placement: str
+    stragglers: StragglerPolicy
+    hang: HangPolicy
 
     @property
     def max_restarts(self) -> int:
@@ -259,7 +262,7 @@ def _placed_ranks(plan: StagePlan, peers: Sequence[RankPlacement], granted: Sequ
     neighbours), each on ``cuda:<its GPU's index among the granted>``: with fractional GPUs the
     scheduler, not the local rank, decided the GPU, so the rank's env names its device."""
     if plan.device_type != "cuda":
-        return [RankSlot(p.rank, local_rank, node_rank, name, rank_device("cpu", local_rank)) for local_rank, p in enumerate(peers)]
+        return [RankSlot(p.rank, local_rank, node_rank, name, rank_device("cpu", local_rank, plan.worker.ranks_per_gpu)) for local_rank, p in enumerate(peers)]
     mine = {p.rank: (p.gpu_ids[0] if p.gpu_ids else "") for p in peers}
     ordered = sorted(peers, key=lambda p: (granted.index(mine[p.rank]) if mine[p.rank] in granted else len(granted), p.rank))
     slots = []

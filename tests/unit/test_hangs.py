@@ -9,7 +9,7 @@ import pytest
 
 from launcher.control.hangs import StallWatch, diagnose, stacks_text
 from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack
-from launcher.records import HangPolicy
+from launcher.policies import HangPolicy
 from launcher.stage.plan import RankSlot
 from launcher.stage.watch import RankLive, StageProgress
 
@@ -46,7 +46,7 @@ def run_watch(policy: HangPolicy, frames, every_s: float = 0.5):
 
 def test_every_rank_still_for_hang_s_is_a_stall_named_after_hang_s():
     # 4 ranks step together 10 steps a second until t=5, then nothing moves (beacons still come)
-    stall, at = run_watch(HangPolicy(10), lambda t: progress({r: int(min(t, 5) * 10) for r in range(4)}, t=t) if t < 60 else None)
+    stall, at = run_watch(HangPolicy(10, on_hang=None), lambda t: progress({r: int(min(t, 5) * 10) for r in range(4)}, t=t) if t < 60 else None)
     assert stall is not None and stall.kind == "all still"
     assert 15.0 <= at <= 16.0 and stall.stalled_for_s >= 10
     assert [r.rank for r in stall.ranks] == [0, 1, 2, 3]
@@ -59,7 +59,7 @@ def test_a_silent_rank_is_named_frozen_by_the_same_rule():
         steps = {r: int(min(t, 5) * 10) for r in range(4)}
         return progress(steps, beacons={r: (min(t, 5) if r == 2 else t) for r in range(4)}, t=t)
 
-    stall, at = run_watch(HangPolicy(10), frames)
+    stall, at = run_watch(HangPolicy(10, on_hang=None), frames)
     assert stall is not None and stall.kind == "silent" and [r.rank for r in stall.ranks] == [2]
     assert stall.ranks[0].frozen and 15.0 <= at <= 16.0
 
@@ -68,21 +68,21 @@ def test_a_rank_left_behind_while_the_others_advance_is_a_stall():
     def frames(t):
         return progress({0: int(t * 10), 1: int(min(t, 3) * 10), 2: int(t * 10)}, t=t) if t < 60 else None
 
-    stall, _ = run_watch(HangPolicy(10), frames)
+    stall, _ = run_watch(HangPolicy(10, on_hang=None), frames)
     assert stall is not None and stall.kind == "behind" and [r.rank for r in stall.ranks] == [1]
 
 
 def test_no_stall_for_a_long_first_step_a_rank_finished_early_or_hang_s_off():
     # nothing counted for a minute (compilation, a download): not a hang
-    assert run_watch(HangPolicy(10), lambda t: progress({0: 0, 1: 0}, t=t) if t < 60 else None)[0] is None
+    assert run_watch(HangPolicy(10, on_hang=None), lambda t: progress({0: 0, 1: 0}, t=t) if t < 60 else None)[0] is None
     # rank 1 ended its share at step 30 and finished; the others go on
     finished = lambda t: progress({0: int(t * 10), 1: min(int(t * 10), 30)}, phases={1: "finished"} if t > 3 else {}, t=t) if t < 60 else None  # noqa: E731
-    assert run_watch(HangPolicy(10), finished)[0] is None
+    assert run_watch(HangPolicy(10, on_hang=None), finished)[0] is None
     # a rank ahead of the other, waiting at its loop's end for it to catch up: ahead is not behind
     ahead = lambda t: progress({0: min(int(t * 10), 100), 1: min(int(t * 2), 100)}, t=t) if t < 60 else None  # noqa: E731
-    assert run_watch(HangPolicy(10), ahead)[0] is None
+    assert run_watch(HangPolicy(10, on_hang=None), ahead)[0] is None
     # off
-    assert run_watch(HangPolicy(None), lambda t: progress({0: 5, 1: 5}, t=t) if t < 60 else None)[0] is None
+    assert run_watch(HangPolicy(None, on_hang=None), lambda t: progress({0: 5, 1: 5}, t=t) if t < 60 else None)[0] is None
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -102,7 +102,7 @@ def test_no_stall_for_pauses_under_hang_s_and_irregular_steps(seed):
         steps = sum(1 for e in step_ends if e <= now)
         return progress({r: steps for r in range(4)}, beacons={r: now - rng.uniform(0, 0.6) for r in range(4)}, t=now)
 
-    assert run_watch(HangPolicy(hang_s), frames)[0] is None
+    assert run_watch(HangPolicy(hang_s, on_hang=None), frames)[0] is None
 
 
 def ev(rank, frames, *, seq=None, op="all_reduce", sizes=((8,),), state="sleeping", host=None, recorder=True):
@@ -192,7 +192,7 @@ def test_a_slow_start_up_is_not_counted_as_stillness():
         rank0 = min(int(t * 10), 5) + max(0, int(t - 30))  # goes on once its peer is there
         return progress({0: rank0, 1: rank1[1]}, phases={1: rank1[0]}, t=t)
 
-    assert run_watch(HangPolicy(10), frames)[0] is None
+    assert run_watch(HangPolicy(10, on_hang=None), frames)[0] is None
 
 
 def test_an_early_finisher_and_a_late_starter_are_not_a_hang():
@@ -205,7 +205,7 @@ def test_an_early_finisher_and_a_late_starter_are_not_a_hang():
         rank0 = ("importing", 0) if t < 15 else ("running", int((t - 15) * 5))
         return progress({0: rank0[1], 1: min(int(t * 10), 5)}, phases={0: rank0[0], 1: "running" if t < 1 else "finished"}, t=t)
 
-    assert run_watch(HangPolicy(10), frames)[0] is None
+    assert run_watch(HangPolicy(10, on_hang=None), frames)[0] is None
 
 
 def test_a_rank_frozen_before_its_last_beacons_left_is_named_by_its_silence():
@@ -218,6 +218,6 @@ def test_a_rank_frozen_before_its_last_beacons_left_is_named_by_its_silence():
         return progress({0: min(int(t * 10), 20), 1: 0, 2: min(int(t * 10), 20)}, phases={1: "importing"},
                         beacons={0: t, 1: 0.2, 2: t}, t=t)  # fmt: skip
 
-    stall, at = run_watch(HangPolicy(10), frames)
+    stall, at = run_watch(HangPolicy(10, on_hang=None), frames)
     assert stall is not None and stall.kind == "silent" and [r.rank for r in stall.ranks] == [1], stall
     assert at <= 12.0

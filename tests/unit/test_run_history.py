@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from launcher.protocol import RankReport
-from launcher.records import AttemptRecord, Failure, FailureClass, FailureReason, RunStatus, StageOutcome
+from launcher.policies import FailureClass
+from launcher.records import AttemptRecord, Failure, FailureReason, RunStatus, StageOutcome
 from launcher.results.aggregate import aggregate
 from launcher.results.store import load_result, write_result
 

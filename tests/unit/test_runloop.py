@@ -23,7 +23,8 @@ from launcher.errors import BackendError, LauncherError
 from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack
 from launcher.masking import MASK
 from launcher.protocol import RankProgress, RankStatus, StagePaths, WorkerConfig
-from launcher.records import FailureClass, FailureReason, RunStatus, StageOutcome
+from launcher.policies import FailureClass
+from launcher.records import FailureReason, RunStatus, StageOutcome
 from launcher.runtime.devices import NodeInventory
 from launcher.spec.model import load_job
 from launcher.stage.events import RankBeacon

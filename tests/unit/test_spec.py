@@ -411,7 +411,7 @@ def test_restart_checkpoint_and_preemption_settings_are_checked_and_reach_the_pl
     assert any(p.startswith(f"{path}:5: preemption.grace_s:") for p in found), found
 
     from launcher.control.planning import plan_stage
-    from launcher.records import FailureClass
+    from launcher.policies import FailureClass
     from launcher.runtime.devices import NodeInventory
     from launcher.stage.plan import NodeTarget
 
@@ -432,7 +432,7 @@ def test_restart_checkpoint_and_preemption_settings_are_checked_and_reach_the_pl
 def test_restart_on_names_every_restartable_class():
     import typing
 
-    from launcher.records import FailureClass
+    from launcher.policies import FailureClass
     from launcher.spec.model import RestartClass
 
     assert set(typing.get_args(RestartClass)) == {"all", *(c.value for c in FailureClass.restartable())}

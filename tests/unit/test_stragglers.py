@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from launcher.control.stragglers import StragglerWatch
 from launcher.stage.plan import RankSlot
 from launcher.stage.watch import RankLive, StageProgress
-from launcher.records import StragglerPolicy
+from launcher.policies import StragglerPolicy
 from launcher.runtime.metrics import MetricsRecorder
 from launcher.runtime.workclock import WorkClock, install_ddp_timing
 
