@@ -12,7 +12,8 @@ Two sides, both on the rank's host:
   host helper, an srun step, a Ray task on the actor's node): creates the request, reads each
   live rank's stacks from outside with py-spy (``--nonblocking``: a stopped or blocked process
   is read as it is, not paused or woken), the process state from the kernel, and merges the
-  ranks' accounts that arrive within ``wait_s``.
+  ranks' accounts that arrive within ``wait_s``: a rank's own stacks where it answered, py-spy's
+  where it did not.
 
 ``python -m launcher.runtime.hangdump STAGE_DIR --host NAME`` prints the host's evidence as one
 JSON line (the srun step's way; also a look by hand).
@@ -87,8 +88,8 @@ def _own_threads() -> list[ThreadStack]:
     me, main = threading.get_ident(), threading.main_thread().ident
     stacks = []
     for ident, frame in sys._current_frames().items():
-        if ident == me:
-            continue  # the beacon thread answering
+        if ident == me or (ident != main and names.get(ident, "").startswith("gpulaunch-")):
+            continue  # the beacon thread answering, the runtime's own threads (as py-spy's are left out)
         frames = tuple(StackFrame(f.name, f.filename, f.lineno or 0, (f.line or "")[:200]) for f in reversed(traceback.extract_stack(frame)))
         stacks.append(ThreadStack(names.get(ident, f"thread {ident}"), frames, main=ident == main))
     return sorted(stacks, key=lambda t: not t.main)
@@ -159,8 +160,12 @@ def _evidence(paths: StagePaths, rank: int, host: str, pid: int | None, state: s
     if account is not None and account.get("recorder"):
         with contextlib.suppress(OSError):
             trace = paths.flight_record(rank).read_bytes()
+    # The rank's own account first: its interpreter wrote it, exact. py-spy's ``--nonblocking``
+    # read of a Python 3.11 interpreter can be torn while the rank's thread walks its own frames
+    # to answer (seen: the main thread's innermost frames missing, a blocked rank read at the line
+    # it had left); py-spy is what is left where the rank cannot answer (stopped, holding the GIL).
     source = "py-spy" if threads else "none"
-    if not threads and account and account.get("threads"):
+    if account and account.get("threads"):
         threads, source = [ThreadStack.from_dict(t) for t in account["threads"]], "rank"
     collectives = tuple(CollectiveCall.from_dict(c) for c in (account or {}).get("collectives") or ())
     if pid is None:
