@@ -3,7 +3,7 @@
 Built in: the ``torchrun`` engine (this machine, or hosts over SSH), the ``ray`` engine (actors in a
 placement group) and the ``slurm`` engine (srun steps inside an allocation); the ``ray`` submitter
 (Ray Jobs API, for ``--address``) and the ``slurm`` submitter (sbatch). A new engine is one module
-and one ``register_engine`` call (README, "Adding an engine"); nothing else changes.
+and one ``register_engine`` call (docs/architecture.md, "Adding an engine"); nothing else changes.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def ray_session(job: Any) -> Iterator[None]:
               file=sys.stderr, flush=True)  # fmt: skip
     if auth.disabled:
         print("gpulaunch: this Ray runs without token authentication: anyone who can reach its ports can run code there "
-              "(README, Ray: token auth)", file=sys.stderr, flush=True)  # fmt: skip
+              "(docs/backends/ray.md, token auth)", file=sys.stderr, flush=True)  # fmt: skip
     session_dir = (getattr(ctx, "address_info", None) or {}).get("session_dir")
     try:
         yield

@@ -13,7 +13,7 @@ H (frozen: SIGSTOP, a hung host; in any phase, as a rank frozen before its last 
 shows an earlier one). While a rank is still starting and alive, nothing is judged (a slow
 import is the rendezvous timeout's case). Not a hang: a pause shorter than H, slow steps, a long
 first step (nothing counted yet), a rank that finished early, or waits for the rest (it is
-ahead, not behind), a job that counts no steps and trains no DDP model (not covered, see README).
+ahead, not behind), a job that counts no steps and trains no DDP model (not covered, see docs/fault-tolerance.md).
 """
 
 from __future__ import annotations

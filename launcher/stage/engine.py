@@ -10,7 +10,7 @@
   stop, the final result. Submitters: Ray Jobs, Slurm batch.
 
 A new engine is one module with a ``StageEngine`` subclass and one ``launcher.backends.register``
-call (see README, "Adding an engine"). Neither seam imports the control side.
+call (see docs/architecture.md, "Adding an engine"). Neither seam imports the control side.
 """
 
 from __future__ import annotations

@@ -191,12 +191,12 @@ def test_a_sharded_checkpoint_saves_each_ranks_part_and_loads_resharded_at_anoth
             assert got["equals_saved"] and got["rows_held"] == [rows, 6], (size, got)
 
 
-def test_the_readme_job_survives_a_stop_and_a_resume(tmp_path) -> None:
-    """The README's example, as written there: stopped by SIGTERM mid-run, it saves and returns;
+def test_the_documented_job_survives_a_stop_and_a_resume(tmp_path) -> None:
+    """The example of docs/fault-tolerance.md ("Runs that survive"), as written there: stopped by SIGTERM mid-run, it saves and returns;
     `launch resume` continues it from that step to the end."""
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("```python\nimport torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n\ndef main(ctx):")
-    code = readme[start + len("```python\n") : readme.index("```", start + 10)]
+    page = (REPO / "docs" / "fault-tolerance.md").read_text()
+    start = page.index("```python\nimport torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n\ndef main(ctx):")
+    code = page[start + len("```python\n") : page.index("```", start + 10)]
     (tmp_path / "my_job.py").write_text(code)
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: my_job\nentrypoint: my_job:main\nmax_restarts: 3\nenv: {{PYTHONPATH: {tmp_path}}}\nresources: {{cpu_workers: 2}}\n")

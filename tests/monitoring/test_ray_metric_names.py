@@ -1,8 +1,8 @@
 """Ray's metrics and the launcher's endpoint share names and labels: Ray actors export the names of
 launcher.metric_names through ``ray.util.metrics`` (Ray puts ``ray_`` in front), a real
 Prometheus scrapes them with the config Ray generates (its service-discovery file, ``job="ray"``),
-and the README's PromQL and the dashboard's folded queries find one series per rank, the launcher's
-endpoint scraped beside them or not.
+and the rate of Ray's counter (the dashboard's fallback, docs/monitoring.md) and the dashboard's
+folded queries find one series per rank, the launcher's endpoint scraped beside them or not.
 
 Slow (an embedded Ray starts in a child process, its own temp dir and token, never ~/.ray)."""
 
@@ -109,16 +109,16 @@ def test_ray_and_the_endpoint_share_names_and_labels_under_rays_generated_config
         config["scrape_configs"].append({"job_name": "gpulaunch", "static_configs": [{"targets": [endpoint.target]}]})
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         endpoint.update(StageSample(JOB, RUN_ID, "ray", 2, 0, tuple(
-            RankSample(k, "launcher-side-name", "running", 100, STEP_S, STEP_S, 0.01, k == 1) for k in range(2))))
+            RankSample(k, "launcher-side-name", "running", 100, STEP_S, STEP_S, 0.01, k == 1) for k in range(2)), samples_per_step=None))
         prom = start_prometheus(tmp_path / "prometheus.yml")
 
-        # the README's query, as written there (a 1 m window: Ray's config scrapes every 10 s)
-        readme_query = f'sum by (gpulaunch_job, run_id, world_size, rank) (rate(ray_gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}[1m]))'
-        wait_for(lambda: len(prom.query(readme_query)) == 2 and all(float(r["value"][1]) > 0 for r in prom.query(readme_query)),
+        # the rate of Ray's counter per rank, the step rate docs/monitoring.md falls back to for Ray (a 1 m window: Ray's config scrapes every 10 s)
+        ray_rate_query = f'sum by (gpulaunch_job, run_id, world_size, rank) (rate(ray_gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}[1m]))'
+        wait_for(lambda: len(prom.query(ray_rate_query)) == 2 and all(float(r["value"][1]) > 0 for r in prom.query(ray_rate_query)),
                  90, "both ranks' Ray step counters, scraped twice")
         full = f'count_over_time(ray_gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}[5s]) >= 5'
         wait_for(lambda: len(prom.query(full)) == 2, 60, "5 s of scrapes")
-        rates = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(readme_query.replace("[1m]", "[5s]"))}
+        rates = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(ray_rate_query.replace("[1m]", "[5s]"))}
         assert set(rates) == {"0", "1"} and all(0.2 / STEP_S < v < 1.5 / STEP_S for v in rates.values()), rates
 
         raw = prom.query(f'ray_gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}')
@@ -138,7 +138,7 @@ def test_ray_and_the_endpoint_share_names_and_labels_under_rays_generated_config
         p50 = prom.query(f'histogram_quantile(0.5, sum by (gpulaunch_job, run_id, world_size, rank, le) '
                          f'(rate({{__name__=~"(ray_)?gpulaunch_step_seconds_bucket", gpulaunch_job="{JOB}"}}[30s])))')
         assert len(p50) == 2 and all(0.02 <= float(r["value"][1]) <= 0.05 for r in p50), p50  # the 20-50 ms bucket
-        print(f"\nPromQL: {readme_query}\nanswer: {prom.query(readme_query)}\n5 s window: {rates}")
+        print(f"\nPromQL: {ray_rate_query}\nanswer: {prom.query(ray_rate_query)}\n5 s window: {rates}")
     finally:
         endpoint.close()
         stop_file.touch()

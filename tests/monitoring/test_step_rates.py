@@ -1,7 +1,7 @@
-"""The step rates the README and the Grafana dashboard query are right from a run's first scrapes.
+"""The step rates the docs (docs/monitoring.md) and the Grafana dashboard query are right from a run's first scrapes.
 
 A real Prometheus (the repo's scrape config, 1 s scrapes) scrapes a real 30-second torchrun run
-found through file discovery. After the run, every query of the README's Monitoring section and
+found through file discovery. After the run, every query of docs/monitoring.md and
 every step-rate panel of the dashboard is asked at the time of each scrape (Prometheus's HTTP API,
 an instant query at the scrape's own time stamp), from the third scrape that saw the ranks step
 to the ranks' last step. Each must answer, within 10%, what the endpoint's own rate
@@ -34,7 +34,7 @@ from tests.integration.faultkit import pythonpath
 JOB = "step_rates"
 SECONDS, STEP_S, SAMPLES_PER_STEP = 30, 0.02, 8
 TOLERANCE = 0.10
-README = REPO / "README.md"
+MONITORING_DOC = REPO / "docs" / "monitoring.md"
 
 SPEC = f"""\
 name: {JOB}
@@ -46,10 +46,10 @@ monitoring: {{samples_per_step: {SAMPLES_PER_STEP}}}
 """
 
 
-def readme_queries() -> list[str]:
-    """Every query (one a line, ``#`` comments left out) of the ```promql blocks of the README's
-    Monitoring section, its ``gpulaunch_job="..."`` made this test's job."""
-    section = README.read_text().split("\n## Monitoring\n", 1)[1].split("\n## ", 1)[0]
+def doc_queries() -> list[str]:
+    """Every query (one a line, ``#`` comments left out) of the ```promql blocks of the Monitoring
+    page (docs/monitoring.md), its ``gpulaunch_job="..."`` made this test's job."""
+    section = MONITORING_DOC.read_text()
     lines = [line.strip() for block in re.findall(r"```promql\n(.*?)```", section, re.S) for line in block.splitlines()]
     return [re.sub(r'gpulaunch_job="[^"]*"', f'gpulaunch_job="{JOB}"', q) for q in lines if q and not q.startswith("#")]
 
@@ -83,9 +83,9 @@ def raw_samples(prom: Prometheus, selector: str, at: float) -> dict[str, list[tu
     return {r["metric"]["rank"]: [(float(t), float(v)) for t, v in r["values"]] for r in result}
 
 
-def test_readme_and_dashboard_step_rates_are_right_from_the_third_scrape(tmp_path, start_prometheus):
-    queries = [("README", q) for q in readme_queries()] + step_rate_panels()
-    assert any(src == "README" for src, _ in queries) and len(queries) > len(readme_queries()), queries
+def test_doc_and_dashboard_step_rates_are_right_from_the_third_scrape(tmp_path, start_prometheus):
+    queries = [("docs/monitoring.md", q) for q in doc_queries()] + step_rate_panels()
+    assert any(src == "docs/monitoring.md" for src, _ in queries) and len(queries) > len(doc_queries()), queries
     sd_dir, trace_dir = tmp_path / "prom_sd", tmp_path / "trace"
     sd_dir.mkdir()  # watched from Prometheus's start: the run's entry is seen at once
     trace_dir.mkdir()
