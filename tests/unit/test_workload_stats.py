@@ -295,20 +295,20 @@ def test_every_table_column_of_every_job_is_in_its_rows():
                 assert " " not in str(row[column]) or column == "note"  # a table cell is one token, notes aside
 
 
-def test_trial_loop_runs_the_count_then_extends_to_the_time_budget():
+def test_trial_loop_runs_the_count_then_extends_to_the_time_budget(monkeypatch):
     import torch
 
     cpu = torch.device("cpu")
     assert list(measure.trial_loop(cpu, 3, together=False)) == [0, 1, 2]
-    import time
-
-    start = time.perf_counter()
+    clock = [100.0]  # the loop's clock, advanced by each trial: no dependence on the machine's load
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
     n = 0
     for _ in measure.trial_loop(cpu, 1, 0.05, together=False):
-        time.sleep(0.011)
+        clock[0] += 0.011
         n += 1
-    assert n >= 4 and time.perf_counter() - start >= 0.05
-    assert n <= measure.MAX_TRIALS
+    assert n == 5  # trials started at 0, 11, 22, 33 and 44 ms: the fifth ends past the 50 ms budget
+    clock[0] = 0.0
+    assert len(list(measure.trial_loop(cpu, 1, 1e9, together=False))) == measure.MAX_TRIALS  # a clock that never moves: capped
 
 
 def test_error_bars_are_never_negative_where_rounding_crosses_the_median():
