@@ -186,13 +186,14 @@ def ray_cluster(head_cpus: int = 4, worker_cpus: tuple[int, ...] = ()) -> Iterat
     head.gcs_address = f"127.0.0.1:{gcs}"
     tree: set[int] = set()  # every pid of the cluster seen while it started
     try:
-        # the other nodes start alongside the head (they wait for its GCS to answer)
+        _wait_until(lambda: _answers(head), procs, temp_dir, tree)
+        # the other nodes once the head answers: a node started beside it gives up on a GCS that a
+        # loaded machine has not brought up within Ray's own connect timeout, and the cluster is short
         for k, cpus in enumerate(worker_cpus, 1):
             logs.append(open(temp_dir / f"node{k}.log", "w"))  # noqa: SIM115
             argv = _ray_argv(f"--address={head.gcs_address}", "--num-cpus", str(cpus), *common, **_node_ports())
             procs.append(subprocess.Popen(argv, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
             _CLUSTER_ROOTS.add(procs[-1].pid)
-        _wait_until(lambda: _answers(head), procs, temp_dir, tree)
         if worker_cpus:
             _wait_until(lambda: len(head.alive_nodes()) == 1 + len(worker_cpus), procs, temp_dir, tree)
         yield head

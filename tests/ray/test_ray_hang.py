@@ -29,7 +29,9 @@ def test_a_hung_actor_is_named_with_its_line_and_nothing_is_left(tmp_path: Path,
     baseline = descendants(os.getpid())
     done = launch(str(spec), "--out", str(tmp_path / "runs"), "--no-metrics", timeout=240)
     assert done.returncode == 1, done.stderr[-3000:] + done.stdout[-3000:]
-    (result_file,) = (tmp_path / "runs" / "rayhang").glob("*/result.json")
+    results = list((tmp_path / "runs" / "rayhang").glob("*/result.json"))
+    assert len(results) == 1, "no result.json:\n" + done.stderr[-3000:] + done.stdout[-3000:]
+    (result_file,) = results
     result = json.loads(result_file.read_text())
     assert result["status"] == "hung" and result["backend"] == "ray"
     info = result["failure"]["hang"]
