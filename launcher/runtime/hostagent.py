@@ -67,24 +67,35 @@ def _try_bind(address: str | None) -> tuple[int | None, str | None]:
         return None, f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
+def torch_version() -> str | None:
+    """The version of the torch this interpreter would import, from its distribution's folder name
+    on ``sys.path`` (``torch-2.13.0+cpu.dist-info``), found as ``importlib.metadata`` finds it:
+    without importing that package, whose import is a third of a login's cost on the host."""
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            for suffix in (".dist-info", ".egg-info"):
+                if name.startswith("torch-") and name.endswith(suffix):
+                    return name[len("torch-") : -len(suffix)]
+    return None
+
+
 def do_preflight(ifname: str | None = None, bind: str | None = None, visible_devices: str | None = None) -> dict[str, Any]:
     import platform
     import socket
-    from importlib.metadata import PackageNotFoundError, version
 
     from launcher.runtime.devices import discover
 
-    try:
-        torch_version: str | None = version("torch")
-    except PackageNotFoundError:
-        torch_version = None
     try:
         interfaces = sorted(name for _, name in socket.if_nameindex())
     except OSError:
         interfaces = []
     data: dict[str, Any] = {
         "inventory": json.loads(discover(visible_override=visible_devices).to_json()),
-        "torch": torch_version,
+        "torch": torch_version(),
         "python": platform.python_version(),
         "interfaces": interfaces,
         "ifname_present": ifname in interfaces if ifname else None,

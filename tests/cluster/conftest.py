@@ -297,7 +297,12 @@ def _start_sshd(host: Host, workdir: Path, host_key: Path, authorized: Path, run
     log = open(workdir / f"sshd_{host.name}.log", "ab")  # noqa: SIM115 - lives as long as sshd
     # `ip netns exec` gives the command a mount namespace of its own (mounts there do not
     # propagate back): the tmpfs over the run root is seen by this sshd and its sessions only.
-    script = f"mount -t tmpfs -o mode=0755,size=256m gl-{host.name} {shlex.quote(str(run_root))} && exec {sshd} -D -e -f {shlex.quote(str(config))}"
+    # A server's stock ~/.bashrc (Debian's /etc/skel), not this machine's: bash runs it for every
+    # command sshd starts, and this machine's runs `pyenv init` (0.11 s of CPU a login), which
+    # would be measured as the launcher's cost per host.
+    stock_bashrc = "{ [ -f /etc/skel/.bashrc ] && [ -f /root/.bashrc ] && mount --bind /etc/skel/.bashrc /root/.bashrc || true; }"
+    script = (f"mount -t tmpfs -o mode=0755,size=256m gl-{host.name} {shlex.quote(str(run_root))} && {stock_bashrc} && "
+              f"exec {sshd} -D -e -f {shlex.quote(str(config))}")  # fmt: skip
     host.sshd = subprocess.Popen(["ip", "netns", "exec", host.ns, "sh", "-c", script], stdout=log, stderr=log)
     _account(host)
 
