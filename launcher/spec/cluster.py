@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from launcher.errors import SpecError
 from launcher.spec.validation import did_you_mean, located_problems
-from launcher.spec.yamlsource import load_yaml
+from launcher.spec.yamlsource import SourcedData, load_yaml
 
 HOST_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 SSH_OPTION_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
@@ -67,6 +67,14 @@ class HostConfig(HostDefaults):
 class ClusterConfig(_Frozen):
     hosts: tuple[HostConfig, ...] = Field(min_length=1, max_length=4096)
     source: str = "<memory>"
+    # where a detached run's run loop lives (``launch JOB --cluster FILE --detach``): one of the
+    # hosts (``controller: NAME``) or a host of its own (a mapping, like a host: a login node that
+    # runs no rank); None: the first host
+    controller: HostConfig | None = None
+
+    @property
+    def controller_host(self) -> HostConfig:
+        return self.controller or self.hosts[0]
 
     @model_validator(mode="after")
     def _unique(self) -> "ClusterConfig":
@@ -77,7 +85,7 @@ class ClusterConfig(_Frozen):
         return self
 
 
-_TOP_KEYS = ("defaults", "hosts")
+_TOP_KEYS = ("defaults", "hosts", "controller")
 
 
 def load_cluster(path: str | Path) -> ClusterConfig:
@@ -123,12 +131,40 @@ def load_cluster(path: str | Path) -> ClusterConfig:
                 return bool(loc) and loc[0] in known
 
             problems += located_problems(exc, sourced, HostConfig, ("hosts", i), skip=from_defaults)
+    controller = _controller(data.get("controller"), defaults, valid, sourced, path, problems)
     if problems:
         raise SpecError(problems)
     try:
-        return ClusterConfig(hosts=tuple(valid), source=str(path))
+        return ClusterConfig(hosts=tuple(valid), source=str(path), controller=controller)
     except ValidationError as exc:
         raise SpecError([f"{sourced.locate(('hosts',))}: hosts: {e['msg'].replace('Value error, ', '')}" for e in exc.errors()]) from None
+
+
+def _controller(
+    value: Any, defaults: dict[str, Any], hosts: list[HostConfig], sourced: SourcedData, path: Path, problems: list[str]
+) -> HostConfig | None:
+    """``controller:``: the name of one of the hosts, or a host of its own (a mapping that
+    inherits ``defaults`` like any host); None when the file names none."""
+    if value is None:
+        return None
+    where = sourced.locate(("controller",))
+    if isinstance(value, str):
+        names = [h.name for h in hosts]
+        if value not in names:
+            problems.append(f"{where}: controller: {value!r} is not one of the hosts{did_you_mean(value, names)}; expected a host's name or a mapping (name, address, ...)")
+            return None
+        return hosts[names.index(value)]
+    if not isinstance(value, dict):
+        problems.append(f"{where}: controller: expected a host's name or a mapping (name, address, ...)")
+        return None
+    if "name" not in value and isinstance(value.get("address"), str):
+        value = {**value, "name": value["address"]}
+    try:
+        return HostConfig.model_validate(_resolve_paths({**defaults, **value}, path.resolve().parent))
+    except ValidationError as exc:
+        inherited = set(defaults) - set(value)  # reported once, at `defaults`
+        problems += located_problems(exc, sourced, HostConfig, ("controller",), skip=lambda loc: bool(loc) and loc[0] in inherited)
+        return None
 
 
 _PATH_FIELDS = ("key", "known_hosts", "ssh_config")

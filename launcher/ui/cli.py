@@ -30,7 +30,8 @@ def _run_parser() -> _Parser:
         description="Run a YAML job spec on every GPU of one or more nodes (torchrun, Ray or Slurm).",
         epilog=(
             "other commands: launch selftest [--quick|--full] [--json] [--cluster FILE] | launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR|JOB_DIR | launch resume RUN_DIR | launch runs [JOB] | "
-            "launch status|logs|stop JOB_ID [--address URL] (a Ray job, or a numeric Slurm job id)"
+            "launch status|logs|stop JOB_ID [--address URL] (a Ray job, or a numeric Slurm job id) | "
+            "launch attach|status|logs|stop|fetch|resume RUN --cluster FILE (a run started with --cluster FILE --detach)"
         ),
     )
     p.add_argument("job", help="the job spec, e.g. jobs/matmul_scaling.yaml")
@@ -48,7 +49,10 @@ def _run_parser() -> _Parser:
     p.add_argument("--quiet", action="store_true", help="no rank output on the console (logs still written)")
     p.add_argument("--json", action="store_true", help="print result.json (or the dry-run plan) as JSON on stdout")
     p.add_argument("--no-metrics", action="store_true", help="serve no Prometheus /metrics endpoint while the run is live")
-    p.add_argument("--detach", action="store_true", help="submit and return (slurm): print the job id and the run directory")
+    p.add_argument(
+        "--detach", action="store_true",
+        help="submit and return (slurm: the job id); with --cluster, the run loop runs on the cluster's controller host: the run id (launch attach RUN --cluster FILE)",
+    )  # fmt: skip
     return p
 
 
@@ -63,6 +67,11 @@ def cmd_run(argv: Sequence[str]) -> int:
     job = load_job(args.job, args.overrides)
     if args.dry_run:
         return _print_dry_run(job, args)
+    if args.detach:
+        from launcher.control.remote_runs import wants_detached_ssh
+
+        if wants_detached_ssh(job, backend=args.backend, cluster=args.cluster, address=args.address):
+            return _detach_over_ssh(job, args)
     from rich.console import Console
 
     from launcher.control.api import run_job
@@ -80,6 +89,21 @@ def cmd_run(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps(result.data, indent=2, default=str))
     return EXIT_OK if args.detach else result.exit_code
+
+
+def _detach_over_ssh(job: LoadedJob, args: argparse.Namespace) -> int:
+    """The run loop started on the cluster's controller host; back within seconds."""
+    from launcher.control.remote_runs import detach
+
+    started = detach(job, backend=args.backend, cluster=args.cluster, out=args.out, metrics=not args.no_metrics)
+    if args.json:
+        print(json.dumps({"run_id": started.run_id, "run_dir": started.run_dir, "host": started.host, "pid": started.pid}, indent=2))
+        return EXIT_OK
+    cfg = started.cluster
+    print(f"run {started.run_id}: detached on {started.host} (controller pid {started.pid}), run directory {started.host}:{started.run_dir}")
+    print(f"follow it: launch attach {started.run_id} --cluster {cfg}  (Ctrl-C leaves it running)")
+    print(f"  launch status|logs|stop|fetch {started.run_id} --cluster {cfg}")
+    return EXIT_OK
 
 
 def _print_dry_run(job: LoadedJob, args: argparse.Namespace) -> int:
@@ -158,7 +182,14 @@ def cmd_resume(argv: Sequence[str]) -> int:
     p.add_argument("--quiet", action="store_true", help="no rank output on the console (logs still written)")
     p.add_argument("--json", action="store_true", help="print result.json as JSON on stdout")
     p.add_argument("--no-metrics", action="store_true", help="serve no Prometheus /metrics endpoint while the run is live")
+    p.add_argument("--cluster", help="a detached run's cluster file: RUN_DIR is its run id; its controller starts again on the controller host")
     args = p.parse_args(argv)
+    if args.cluster:
+        from launcher.control.remote_runs import resume
+
+        started = resume(args.cluster, args.run_dir)
+        print(f"run {started.run_id}: resuming on {started.host} (controller pid {started.pid}); follow it: launch attach {started.run_id} --cluster {args.cluster}")
+        return EXIT_OK
     from rich.console import Console
 
     from launcher.control.api import resume_run
@@ -217,14 +248,21 @@ def cmd_report(argv: Sequence[str]) -> int:
 
 def _job_command(name: str) -> Callable[[Sequence[str]], int]:
     def command(argv: Sequence[str]) -> int:
-        p = _Parser(prog=f"launch {name}", description=f"{name} a run submitted to a scheduler: a Ray job (Ray Jobs API) or a Slurm job (a numeric id)")
+        p = _Parser(
+            prog=f"launch {name}",
+            description=f"{name} a run submitted to a scheduler: a Ray job (Ray Jobs API) or a Slurm job (a numeric id); or, with --cluster, a detached run (its run id)",
+        )  # fmt: skip
         p.add_argument("job_id")
         p.add_argument("--address", help="the Ray dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS)")
+        p.add_argument("--cluster", help="the cluster file of a run started with --cluster FILE --detach (job_id: its run id)")
         if name == "logs":
             p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+            p.add_argument("--rank", type=int, help="with --cluster: only this rank's lines")
         if name == "status":
             p.add_argument("--json", action="store_true")
         args = p.parse_args(list(argv))
+        if args.cluster:
+            return _detached_command(name, args)
         from launcher.backends import submitter_for_id
 
         scheduler = submitter_for_id(args.job_id, args.address)  # each submitter is asked whether the id is its own
@@ -238,6 +276,54 @@ def _job_command(name: str) -> Callable[[Sequence[str]], int]:
         return EXIT_OK if info.terminal else EXIT_JOB_FAILED
 
     return command
+
+
+def _detached_command(name: str, args: argparse.Namespace) -> int:
+    from launcher.control import remote_runs
+
+    if name == "status":
+        return _print_job_status(remote_runs.status(args.cluster, args.job_id), as_json=args.json)
+    if name == "logs":
+        remote_runs.logs(args.cluster, args.job_id, follow=args.follow, rank=args.rank, echo=_print_line)
+        return EXIT_OK
+    info = remote_runs.stop(args.cluster, args.job_id)
+    print(f"{args.job_id}: {info.status}  {info.message}".rstrip())
+    return EXIT_OK if info.terminal else EXIT_JOB_FAILED
+
+
+def cmd_attach(argv: Sequence[str]) -> int:
+    p = _Parser(
+        prog="launch attach",
+        description="Follow a detached run (launch JOB --cluster FILE --detach) live from its start: rank output, progress, the summary. "
+        "Exit: the run's exit code once it ends; Ctrl-C leaves it running (exit 0).",
+    )
+    p.add_argument("run", help="the run id launch --detach printed")
+    p.add_argument("--cluster", required=True, help="the run's cluster file (its controller host)")
+    p.add_argument("--quiet", action="store_true", help="no rank output on the console")
+    args = p.parse_args(argv)
+    from launcher.control.remote_runs import attach
+    from launcher.ui.console import RunUI
+
+    ui = RunUI(quiet=args.quiet)
+    try:
+        return attach(args.cluster, args.run, ui)
+    except KeyboardInterrupt:
+        ui.stage_finished()
+        print(f"detached from run {args.run}; it goes on (launch attach {args.run} --cluster {args.cluster}, launch stop ...)", file=sys.stderr)
+        return EXIT_OK
+
+
+def cmd_fetch(argv: Sequence[str]) -> int:
+    p = _Parser(prog="launch fetch", description="Bring a detached run's directory from its controller host to OUT/<job>/<run-id> here.")
+    p.add_argument("run", help="the run id launch --detach printed")
+    p.add_argument("--cluster", required=True, help="the run's cluster file (its controller host)")
+    p.add_argument("--out", default="runs", help="root of run directories here (default: runs/)")
+    args = p.parse_args(argv)
+    from launcher.control.remote_runs import fetch
+
+    dest = fetch(args.cluster, args.run, args.out, say=print)
+    print(f"run directory: {dest}")
+    return EXIT_OK
 
 
 def _print_line(source: str, text: str) -> None:
@@ -275,6 +361,8 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "status": _job_command("status"),
     "logs": _job_command("logs"),
     "stop": _job_command("stop"),
+    "attach": cmd_attach,
+    "fetch": cmd_fetch,
 }
 
 
