@@ -185,8 +185,13 @@ def test_prometheus_scrapes_every_rank_of_a_live_ray_run(tmp_path, start_prometh
               f"{readme}: peak {({s['metric']['rank']: peak(s) for s in folded_rates})}\n"
               f"labels {labels}\nwall {ended - started:.1f}s")
 
-        # --- the run is over: its discovery entry and every process of it are gone ----------------
+        # --- the run is over: its discovery entries and every process of it are gone -------------
         assert not list(sd_dir.glob("*.json"))
+        # Ray's discovery link went with the embedded Ray: Prometheus drops its targets rather than
+        # keep scraping a dead cluster's ports (targets down) until the next Ray takes the link
+        assert not (ray_tmp / "ray" / "prom_metrics_service_discovery.json").exists()
+        gone = wait_for(lambda: not [t for t in prom.active_targets() if t["labels"].get("job") == "ray"], 60, "Prometheus dropping Ray's targets")
+        assert gone is True
         assert wait_for(lambda: not marked_pids(mark), 10, "no process of the run left") is True
     finally:
         kill_marked(mark)
