@@ -73,7 +73,11 @@ def node_ranks(plan: StagePlan, node: NodeSlot) -> list[int]:
 
 
 def local_rank_events(plan: StagePlan, ranks: Sequence[int]) -> list[StageEvent]:
-    """The beacons and reports of ``ranks`` as this machine's disk has them."""
+    """The beacons and reports of ``ranks`` as this machine's disk has them, each gone rank's beacon
+    settled first to its exact step count (an agent killed before it could settle them)."""
+    from launcher.runtime.stepcount import settle
+
+    settle(plan.paths, ranks)
     events: list[StageEvent] = []
     for rank in ranks:
         beacon = read_json(plan.paths.progress(rank))

@@ -4,6 +4,13 @@ Fed every event the stage's channel delivers (``launcher.stage.events``); asked 
 far (fail fast), the live progress (console, ``/metrics``, stragglers) and, at the end, every
 rank's report: its own, or for a rank that wrote none, one saying it was stopped (with the phases
 its beacons showed) or lost with its host. Never reads a file.
+
+Each rank's step count is exact at the end: a rank that reports gives its own; one that ended in
+silence, its last beacon, which its host rewrote from the rank's step counter once the rank was
+gone (``launcher.runtime.stepcount``). A rank lost with its host has neither: the furthest
+surviving rank's count stands in (DDP ranks step in lockstep). A report the rank did not write
+itself carries that count as ``metrics.steps``, and where it came from as ``metrics.steps_from``
+(``beacon`` or ``peers``).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from dataclasses import replace
 from typing import Iterable, Mapping
 
 from launcher.masking import redact_document
-from launcher.protocol import RankError, RankProgress, RankReport, RankStatus
+from launcher.protocol import HOST_LOST, NODE_LOST, RankError, RankProgress, RankReport, RankStatus
 from launcher.records import RankExit
 from launcher.stage.events import RankBeacon, RankExited, RankReported, RanksLost, StageEvent
 from launcher.stage.plan import RankSlot, StagePlan
@@ -27,6 +34,7 @@ _SCRIPT_STAMPS = (("running", "imported"),)
 _PHASE_ORDER = ("spawning", "starting", "importing", "rendezvous", "pg_init", "running", "finished", "failed")
 _FINAL = (RankStatus.OK, RankStatus.FAILED)
 _STICKY = ("ckpt_step", "ckpt_at", "resumed_step", "watches_stop")
+_LOST = (HOST_LOST, NODE_LOST)  # a RanksLost report's error types
 
 
 class StageState:
@@ -70,6 +78,8 @@ class StageState:
         beacon = event.beacon
         if old is not None:  # what a rank said of its checkpoints stays said (a last beacon made elsewhere lacks it)
             kept = {k: getattr(old, k) for k in _STICKY if getattr(beacon, k) is None and getattr(old, k) is not None}
+            if old.steps > beacon.steps and (beacon.t is None or old.t is None or beacon.t <= old.t):
+                kept["steps"] = old.steps  # the same beacon again (read back at the end) lags the exact count the report gave
             beacon = replace(beacon, **kept) if kept else beacon
         self.beacons[event.rank] = beacon
         if event.host:
@@ -171,8 +181,30 @@ class StageState:
                 )  # fmt: skip
             elif report.status == RankStatus.STOPPED and not report.phases and self._stamps.get(slot.rank):
                 report = replace(report, phases=dict(self._stamps[slot.rank]))
-            out.append(_masked(report, secrets))
+            out.append(_masked(self._with_steps(report), secrets))
         return out
+
+    def _with_steps(self, report: RankReport) -> RankReport:
+        """A report the rank did not write (its metrics have no step count) with the rank's count:
+        its last beacon's, exact once its host settled it from the rank's step counter; for a rank
+        lost with its host, the furthest surviving rank's (lockstep), said as ``steps_from``."""
+        metrics = report.metrics if isinstance(report.metrics, Mapping) else {}
+        if isinstance(metrics.get("steps"), int):
+            return report
+        lost = report.error is not None and report.error.type in _LOST
+        survivors = [b.steps for rank, b in self.beacons.items() if not self._lost_with_host(rank)] if lost else []
+        beacon = self.beacons.get(report.rank)
+        if survivors:
+            steps, source = max(survivors), "peers"
+        elif beacon is not None:
+            steps, source = beacon.steps, "beacon"
+        else:
+            return report  # never heard of: no count to give
+        return replace(report, metrics={**metrics, "steps": steps, "steps_from": source})
+
+    def _lost_with_host(self, rank: int) -> bool:
+        report = self.reports.get(rank)
+        return report is not None and report.error is not None and report.error.type in _LOST
 
 
 def _masked(report: RankReport, secrets: tuple[str, ...]) -> RankReport:

@@ -9,7 +9,9 @@ with ``--start-method=forkserver`` and the ``-m launcher.runtime.worker WORKER_J
 hands torchrun ``launcher.worker.forked_rank`` as a function entrypoint instead of a command, so
 that torchrun forks the ranks from a multiprocessing forkserver that has imported torch once; and
 node 0's agent serves the rendezvous store on ``--master-addr`` alone (127.0.0.1 for a stage on
-this machine), not on every interface as torch's own store does.
+this machine), not on every interface as torch's own store does. Once its workers have ended,
+the beacon of each that ended in silence gets its exact step count from the rank's step counter
+(``launcher.runtime.stepcount``) before the forwarder's last sweep.
 
 Why a server and not the agent itself: torchrun's launcher API calls
 ``torch.cuda.is_available()`` in the agent, and children forked after CUDA is initialised cannot
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _launch(config, entrypoint, entry_args, args, forked_config, oom_before)
     finally:
+        _settle_steps(int(args.node_rank), config.nproc_per_node)  # before the last forward, which carries them
         if forwarder is not None:
             forwarder.stop()  # the reports the ranks wrote on their way out go too
 
@@ -206,6 +209,21 @@ def _forwarder(node_rank: int, nproc_per_node: int) -> RankForwarder | None:
     if not stage:
         return None  # run by hand, outside a stage: nobody reads the forwarded lines
     return RankForwarder(StagePaths(Path(stage)), node_ranks(node_rank, nproc_per_node), print_line).start()
+
+
+def _settle_steps(node_rank: int, nproc_per_node: int) -> None:
+    """Its workers have ended (torch's agent stops them all before it returns or raises): each
+    silent one's beacon gets the exact count of its step counter (``launcher.runtime.stepcount``),
+    which the forwarder's last sweep then carries, as does this machine's disk."""
+    stage = os.environ.get(ENV_STAGE_DIR)
+    if not stage:
+        return
+    from launcher.runtime.stepcount import settle
+
+    try:
+        settle(StagePaths(Path(stage)), node_ranks(node_rank, nproc_per_node))
+    except Exception:  # noqa: BLE001 - best effort: the beacons say what they said
+        pass
 
 
 def _launch(config: Any, entrypoint: Any, entry_args: list[Any], args: Any, forked_config: str | None, oom_before: int | None) -> int:

@@ -20,7 +20,9 @@ every remote host, before and around the ranks, and never imports the control si
   period), kills any rank still alive by pid, writes a ``stopped`` report with the phases it saw
   in the beacon of each rank that wrote none, forwards every rank's report on its output (the
   stage's live channel: the agent that forwarded the rest is gone) and exits; the agent dies with
-  the wrapper too (the agent's parent-death signal). No pseudo-terminal (``-T``) is needed for
+  the wrapper too (the agent's parent-death signal). Before it forwards them, each rank that is
+  gone gets its exact step count in its beacon from its step counter
+  (``launcher.runtime.stepcount``), as ``fetch`` does too. No pseudo-terminal (``-T``) is needed for
   any of this. While the agent runs, the agent itself forwards its ranks' beacons and reports.
 - ``preflight`` / ``free-port`` / ``prepare`` / ``fetch``: the same requests as one command each
   (one JSON line out), for a look by hand over a plain ``ssh``.
@@ -118,8 +120,8 @@ def do_prepare(stage: str, config: str) -> dict[str, Any]:
         paths = StagePaths(Path(stage))
         paths.root.mkdir(parents=True, exist_ok=True)
         write_json_atomic(paths.worker_config, json.loads(config))
-        for folder in (paths.reports, paths.progress_dir):
-            for old in folder.glob("rank*.json"):
+        for folder, pattern in ((paths.reports, "rank*.json"), (paths.progress_dir, "rank*.json"), (paths.progress_dir, "rank*.steps")):
+            for old in folder.glob(pattern):
                 old.unlink(missing_ok=True)
     except (OSError, ValueError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -149,7 +151,10 @@ def do_evidence(stage: str, host: str, ranks: list[int]) -> dict[str, Any]:
 
 
 def do_fetch(stage: str, ranks: list[int]) -> dict[str, Any]:
+    """The reports and beacons of ``ranks``; a beacon of a rank that is gone with its count behind
+    its step counter's is settled first (``launcher.runtime.stepcount``): the count is exact."""
     paths = StagePaths(Path(stage))
+    _settle_steps(paths, ranks)
     files = {}
     for rank in ranks:
         for path in (paths.report(rank), paths.progress(rank)):
@@ -364,6 +369,16 @@ class _Beacons:
                 continue
 
 
+def _settle_steps(paths: StagePaths, ranks: Any) -> dict[int, int]:
+    """Each gone rank's exact step count into its beacon (best effort: see ``stepcount.settle``)."""
+    from launcher.runtime.stepcount import settle
+
+    try:
+        return settle(paths, ranks)
+    except Exception:  # noqa: BLE001 - the beacons say what they said
+        return {}
+
+
 def _teardown(proc: subprocess.Popen, stage: Path, grace_s: float) -> None:
     from launcher.procutil import kill_now, stage_worker_pids
 
@@ -417,10 +432,13 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if proc.poll() is None:
         beacons.read()
         _teardown(proc, Path(args.stage), args.grace_s)
+        _settle_steps(beacons.paths, beacons.slots)  # the ranks are gone: their exact step counts
         beacons.write_stopped()
         RankForwarder(beacons.paths, beacons.slots, print_line).sweep()  # the agent forwarded the rest, if it could
         print_line(f"gpulaunch: stopped the torchrun agent ({lifeline.reason})")
         return 143
+    if _settle_steps(beacons.paths, beacons.slots):  # the agent did not (it died before its last sweep)
+        RankForwarder(beacons.paths, beacons.slots, print_line).sweep()
     code = proc.returncode
     return 128 - code if code < 0 else code
 

@@ -4,8 +4,10 @@ Inside the step loop nothing here synchronises with the device or calls ``.item(
 ``log`` keeps a copy of the (0-d) tensor made where it lies (queued on the device, so an
 accumulator updated in place later still logs the value it had), ``timer`` records CUDA events
 on the current stream (host clocks on the CPU, where work is synchronous anyway) and ``step``
-bumps a host integer. ``to_host`` at the end does one synchronisation and one device-to-host copy
-(one per device where values were logged on more than one, see ``log``).
+bumps a host integer and stores it into the rank's step counter (``launcher.runtime.stepcount``:
+a plain store into a shared mapping, which its host reads after the rank is gone). ``to_host``
+at the end does one synchronisation and one device-to-host copy (one per device where values
+were logged on more than one, see ``log``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,32 @@ from launcher.runtime.workclock import WorkClock
 if TYPE_CHECKING:
     import torch
 
+    from launcher.runtime.stepcount import StepCounter
+
+
+class _CountingWorkClock(WorkClock):
+    """The work clock, whose count of a DDP job's optimizer steps also goes into the step counter
+    while the job counts none itself (a torchrun script): the counter holds what the beacon says."""
+
+    def __init__(self, use_events: bool, counted: Callable[[], int], cell: Any) -> None:
+        super().__init__(use_events=use_events)
+        self._counted = counted
+        self._cell = cell
+
+    def count_optimizer_step(self) -> None:
+        super().count_optimizer_step()
+        if not self._counted():
+            self._cell[0] = self.optimizer_steps
+
 
 class MetricsRecorder:
-    def __init__(self, device: "torch.device", *, on_first_step: Callable[[], object] | None = None) -> None:
+    def __init__(self, device: "torch.device", *, on_first_step: Callable[[], object] | None = None, step_counter: "StepCounter | None" = None) -> None:
         self.device = device
         self.steps = 0
+        # where step() stores its count: the rank's counter file's mapping, or 8 bytes of our own
+        # (no counter: the store costs the same and needs no test)
+        self.step_counter = step_counter
+        self._cell: Any = step_counter.cell if step_counter is not None else memoryview(bytearray(8)).cast("q")
         self._on_first_step = on_first_step
         self._tensors: dict[str, list["torch.Tensor"]] = {}
         self._numbers: dict[str, list[float]] = {}
@@ -34,7 +57,7 @@ class MetricsRecorder:
         self._last_step_t = time.perf_counter()
         self._use_events = device.type == "cuda"
         # own work per step apart from waiting for peers (straggler detection): DDP's hook or ``work()``
-        self.work_clock = WorkClock(use_events=self._use_events)
+        self.work_clock: WorkClock = _CountingWorkClock(self._use_events, lambda: self.steps, self._cell)
 
     # --- inside the loop: no host sync -----------------------------------------------------------
     def log(self, name: str, value: "torch.Tensor | float | int") -> None:
@@ -87,14 +110,17 @@ class MetricsRecorder:
         self._host_times_ms.setdefault(name, []).append(float(ms))
 
     def step(self) -> None:
-        """Count a step: a host integer, never a device sync (the progress display reads it)."""
-        self.steps += 1
-        self.work_clock.step()
+        """Count a step: a host integer, never a device sync (the progress display reads it), also
+        stored into the rank's step counter (a plain store into a mapping: no system call)."""
+        steps = self.steps = self.steps + 1
+        self._cell[0] = steps
+        if self.work_clock.uses_sections:  # else it has nothing to close (DDP's hooks time the step)
+            self.work_clock.step()
         now = time.perf_counter()
-        if self.steps == 1 and self._on_first_step is not None:
+        if steps == 1 and self._on_first_step is not None:
             self._on_first_step()
         for hook in self._step_hooks:
-            hook(self.steps, now - self._last_step_t)
+            hook(steps, now - self._last_step_t)
         self._last_step_t = now
 
     def add_step_hook(self, hook: Callable[[int, float], None]) -> None:

@@ -177,8 +177,10 @@ class _Rank:
         device = _select_device(torch, self.config, self.report.device, self.report.local_rank)
         self.report.device = str(device)
         from launcher.runtime.metrics import MetricsRecorder
+        from launcher.runtime.stepcount import StepCounter, counter_path
 
-        recorder = MetricsRecorder(device, on_first_step=lambda: self.phases.setdefault("first_step", time.time()))
+        counter = StepCounter.create(counter_path(self.paths, self.report.rank))  # its host reads it once the rank is gone
+        recorder = MetricsRecorder(device, on_first_step=lambda: self.phases.setdefault("first_step", time.time()), step_counter=counter)
         for hook in step_hooks:
             recorder.add_step_hook(hook)
         self.recorder = recorder
