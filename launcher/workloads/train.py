@@ -9,8 +9,11 @@ once at the end. Rank 0 then writes a checkpoint (model + optimizer + epoch), re
 and sends its bytes to every rank, which loads them with ``map_location=ctx.device`` and checks
 they equal its own replica. ``params.resume`` continues from such a checkpoint up to
 ``params.epochs`` in all: rank 0 reads it and every rank loads the same bytes (model, optimizer
-state, epoch). No shared filesystem is assumed: a rank on another host (SSH without shared
-storage, a Ray actor on another node) never opens a checkpoint path, which exists on rank 0's host.
+state, epoch). DDP gets its final gradient buckets before its first step
+(``ctx.checkpoint.fix_buckets``), so that a resumed run ends with the uninterrupted run's model,
+bit for bit, at every world size on the CPU. No shared filesystem is assumed: a rank on another
+host (SSH without shared storage, a Ray actor on another node) never opens a checkpoint path,
+which exists on rank 0's host.
 
 Throughput is measured per epoch (CUDA events on a GPU, read once at the end; the host clock on
 the CPU): the first epoch of a run is its warm-up (allocations, DDP's bucket set-up) and the
@@ -88,7 +91,9 @@ def run(ctx: Any) -> dict[str, Any]:
     if restored is not None:  # saved on cuda:0 (or wherever), on our device now
         model.load_state_dict(restored.state["model"])
         opt.load_state_dict(restored.state["optimizer"])
-    ddp = DDP(model, device_ids=[dev.index] if cuda else None)
+    # DDP's final bucket layout from the first step on: a resumed run reduces its first step as an
+    # uninterrupted one reduced that step, bit for bit at any world size (ctx.checkpoint.fix_buckets)
+    ddp = ctx.checkpoint.fix_buckets(DDP(model, device_ids=[dev.index] if cuda else None))
 
     x, y = make_dataset(p.n_train, features, classes, seed, split=0)
     train = TensorDataset(x, y)
