@@ -24,7 +24,8 @@ def new_run_id() -> str:
 
 
 class BackendName(str, enum.Enum):
-    """Every engine the launcher speaks; the one list the spec, the CLI and the registry use."""
+    """The built-in engines' names, for words that list them (the CLI's help). What ``backend:``
+    accepts is the registry's (``launcher.backends.names()``), registered engines included."""
 
     TORCHRUN = "torchrun"
     RAY = "ray"

@@ -31,7 +31,7 @@ from launcher.control.runloop import StopRequest, run_stage
 from launcher.errors import EXIT_BAD_INPUT, LauncherError, PlanError
 from launcher.masking import mask_env
 from launcher.procutil import free_port, handling_stop_signals
-from launcher.records import BackendName, Failure, FailureReason, PreflightRecord, SkippedWorld, StageOutcome, new_run_id
+from launcher.records import Failure, FailureReason, PreflightRecord, SkippedWorld, StageOutcome, new_run_id
 from launcher.results.aggregate import aggregate
 from launcher.results.hooks import make_plots, run_summarize, workload_module
 from launcher.results.series import default_summary
@@ -78,7 +78,7 @@ def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
 def preflight_nodes(job: LoadedJob, cluster: str | None, *, for_run: bool = True) -> tuple[list[NodeTarget], PreflightRecord | None]:
     """The hosts a run starts on, checked: this machine, its GPUs refused (exit 2) when one the
     job would use is unhealthy; or every host of a cluster file, its GPUs and the links between
-    them, a failed host replaced by a spare (``launcher.backends.ssh.preflight_hosts``). A
+    them, a failed host replaced by a spare (``launcher.backends.preflight_hosts``). A
     ``CUDA_VISIBLE_DEVICES`` in the job's env is what its ranks will see, so it is what counts."""
     path = cluster_path(job, cluster)
     if path is None:
@@ -87,12 +87,11 @@ def preflight_nodes(job: LoadedJob, cluster: str | None, *, for_run: bool = True
             check_local_gpus(job, node)
         return [node], None
     check_node_split(job)  # decided by the spec alone: no host is contacted for it
-    from launcher.backends.ssh import preflight_hosts
     from launcher.spec.cluster import load_cluster
 
     hosts = load_cluster(path)
     check_cluster_size(job, len(hosts.hosts), path)
-    outcome = preflight_hosts(hosts, job, network=for_run)
+    outcome = backends.preflight_hosts(hosts, job, network=for_run)
     return outcome.targets, outcome.record
 
 
@@ -153,19 +152,11 @@ class HostPool:
         return "; ".join(said)
 
 
-def ray_address(job: LoadedJob, backend: str | None, address: str | None) -> str | None:
-    """The Ray cluster to submit to: ``address=``, or the spec's ``ray.address`` on the Ray backend."""
-    if address:
-        return address
-    return job.spec.ray.address if (backend or job.spec.backend) == BackendName.RAY else None
-
-
 def resolve(job: LoadedJob, backend: str | None, cluster: str | None, address: str | None = None) -> Runner:
-    """What runs the job (an engine here, or a scheduler's submitter), once it has refused what
-    it cannot run (nothing started). ``--address`` means the Ray cluster there, whatever the spec's backend."""
-    submit_to = ray_address(job, backend, address)
-    name = backend or (BackendName.RAY.value if address else job.spec.backend.value)
-    runner = backends.choose(name, address=submit_to)
+    """What runs the job (an engine here, or a scheduler's submitter: the registry's choice), once
+    it has refused what it cannot run (nothing started). ``--address`` means the cluster there, for
+    the backend whose submitter takes an address, whatever the spec's backend."""
+    runner = backends.choose(job, backend=backend, address=address)
     runner.check_job(job, cluster)
     return runner
 
@@ -181,9 +172,7 @@ def rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
     first = nodes[0]
     if first.ssh is None:
         return free_port("127.0.0.1")
-    from launcher.backends.ssh import remote_free_port
-
-    return remote_free_port(first)
+    return backends.host_free_port(first)
 
 
 def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None = None) -> str:
@@ -222,9 +211,7 @@ def _one_connection_per_host(fn: _Fn) -> _Fn:
         job = args[0] if args else kwargs.get("job")
         if isinstance(job, LoadedJob) and cluster_path(job, kwargs.get("cluster")) is None:
             return fn(*args, **kwargs)  # no cluster file: no SSH client to load
-        from launcher.backends.ssh import connection_scope
-
-        with connection_scope():
+        with backends.host_connections():
             return fn(*args, **kwargs)
 
     return scoped  # type: ignore[return-value]
@@ -444,14 +431,9 @@ def resume_run(
     as it was launched (spec, overrides, backend, cluster file); its unfinished stages' jobs load
     their last checkpoints. Refuses a spec that changed since the run."""
     folder = Path(run_dir).resolve()
-    from launcher.backends.slurm.script import RECORD_FILE
-
-    if (folder / RECORD_FILE).is_file():  # the launcher inside its Slurm job wrote launch.json: not a run of this machine's
-        raise LauncherError(
-            f"launch resume {folder}: a Slurm run; Slurm continues it: its job requeues itself after a preemption warning, "
-            f"or `scontrol requeue JOBID` while Slurm remembers the job, or `sbatch {folder / 'job.sbatch'}`",
-            exit_code=EXIT_BAD_INPUT,
-        )
+    refusal = backends.resume_refusal(folder)
+    if refusal is not None:  # a scheduler's run: the scheduler continues it, not this machine
+        raise LauncherError(f"launch resume {folder}: {refusal}", exit_code=EXIT_BAD_INPUT)
     record = LaunchRecord.read(folder)
     loaded = load_job(record.spec, list(record.overrides))
     check_unchanged(loaded, record, folder)

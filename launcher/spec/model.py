@@ -11,11 +11,12 @@ states no default of its own (tests/unit/test_defaults_once.py holds that).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 import yaml
 from pydantic import (
@@ -25,18 +26,21 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
     StrictInt,
     StringConstraints,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from launcher.errors import SpecError
 from launcher.fieldtypes import Real
-from launcher.records import BackendName
 from launcher.spec.entrypoint import check_entrypoint
-from launcher.spec.validation import field_label, located_problems
+from launcher.spec.validation import did_you_mean, field_label, located_problems
 from launcher.spec.yamlsource import Location, SourcedData, deep_merge, load_yaml, set_path
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -284,6 +288,37 @@ class SlurmSettings(_Frozen):
     extra_sbatch: tuple[Annotated[str, AfterValidator(_sbatch_option)], ...] = Field((), max_length=64)
 
 
+# The engines ``backend:`` may name, and the settings model of each one's block (``NAME: {...}``;
+# None: no block of its own, or a field of JobSpec as ``ray:`` and ``slurm:`` are). The spec knows
+# no engine: the registry (``launcher.backends``) tells it on import, and is imported by name the
+# first time a spec is validated without it.
+ENGINE_REGISTRY = "launcher.backends"
+EngineCatalogue = Callable[[], Mapping[str, "type[BaseModel] | None"]]
+_engine_catalogue: EngineCatalogue | None = None
+
+
+def use_engine_catalogue(catalogue: EngineCatalogue) -> None:
+    """What the registry calls on import: the engines by name, each with its settings model."""
+    global _engine_catalogue
+    _engine_catalogue = catalogue
+
+
+def engine_catalogue() -> Mapping[str, type[BaseModel] | None]:
+    if _engine_catalogue is None:
+        importlib.import_module(ENGINE_REGISTRY)  # it calls use_engine_catalogue
+    assert _engine_catalogue is not None, f"{ENGINE_REGISTRY} did not register its engines"
+    return _engine_catalogue()
+
+
+def _registered_engine(value: str) -> str:
+    known = list(engine_catalogue())
+    if value not in known:
+        listed = ", ".join(repr(n) for n in known[:-1]) + (f" or {known[-1]!r}" if len(known) > 1 else repr(known[0]) if known else "")
+        hint = did_you_mean(value, known)
+        raise ValueError(f"expected {listed}" + ("" if hint.startswith(" (") else hint))
+    return value
+
+
 class Monitoring(_Frozen):
     # while a run is live the launcher serves Prometheus metrics on 127.0.0.1:port (0: a free one)
     enabled: bool = True
@@ -304,7 +339,7 @@ class JobSpec(_Frozen):
     script: str | None = None
     args: tuple[Annotated[str, BeforeValidator(_scalar_to_str)], ...] = ()
     params: FrozenMap = Field(default_factory=dict)
-    backend: BackendName = BackendName.TORCHRUN
+    backend: Annotated[str, AfterValidator(_registered_engine)] = "torchrun"  # an engine of launcher.backends
     resources: Resources = Resources()
     scaling: Scaling | None = None
     env: EnvMap = Field(default_factory=dict)
@@ -328,6 +363,26 @@ class JobSpec(_Frozen):
     slurm: SlurmSettings = SlurmSettings()
     monitoring: Monitoring = Monitoring()
     extends: str | None = None
+    # the settings blocks of registered engines that are not fields here (``NAME: {...}``)
+    _engine_blocks: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _with_engine_blocks(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name, block in self._engine_blocks.items():
+            data[name] = block.model_dump(mode=info.mode)
+        return data
+
+    def engine_settings(self, name: str) -> BaseModel | None:
+        """Engine ``name``'s settings block: as the spec gave it, or its model's defaults (None:
+        an engine without a settings model)."""
+        if name in self._engine_blocks:
+            return self._engine_blocks[name]
+        own = getattr(self, name, None) if name in type(self).model_fields else None
+        if isinstance(own, BaseModel):
+            return own
+        model = engine_catalogue().get(name)
+        return None if model is None else model()
 
     @model_validator(mode="after")
     def _one_program(self) -> "JobSpec":
@@ -483,10 +538,26 @@ def _not_a_mapping(data: Any, dotted: str) -> str | None:
 
 
 def _validate(sourced: SourcedData) -> JobSpec:
+    data = sourced.data
+    block_models = {name: model for name, model in engine_catalogue().items() if model is not None and name not in JobSpec.model_fields}
+    raw_blocks = {name: data[name] for name in block_models if name in data} if isinstance(data, dict) else {}
+    if isinstance(data, dict) and data.get("backend") in block_models:  # the engine's own block, its defaults checked too
+        raw_blocks.setdefault(data["backend"], {})
+    problems: list[str] = []
+    blocks: dict[str, BaseModel] = {}
+    for name, raw in raw_blocks.items():
+        try:
+            blocks[name] = block_models[name].model_validate({} if raw is None else raw)
+        except ValidationError as exc:
+            problems += located_problems(exc, sourced, block_models[name], (name,), pattern_hints=PATTERN_HINTS)
     try:
-        return JobSpec.model_validate(sourced.data)
+        spec = JobSpec.model_validate({k: v for k, v in data.items() if k not in block_models} if isinstance(data, dict) else data)
     except ValidationError as exc:
-        raise SpecError(located_problems(exc, sourced, JobSpec, pattern_hints=PATTERN_HINTS)) from None
+        raise SpecError([*located_problems(exc, sourced, JobSpec, pattern_hints=PATTERN_HINTS), *problems]) from None
+    if problems:
+        raise SpecError(problems)
+    spec._engine_blocks.update(blocks)
+    return spec
 
 
 def _entrypoint_problems(sourced: SourcedData, base_dir: Path) -> list[str]:

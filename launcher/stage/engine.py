@@ -20,7 +20,7 @@ import signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Mapping
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Mapping, Sequence
 
 from launcher.evidence import RankEvidence
 from launcher.stage.events import StageEvent
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from launcher.stage.logrouting import LogRouter
     from launcher.stage.plan import NodeTarget, StagePlan
     from launcher.stage.watch import RunEvents
+
+# ``launcher.run_job`` as the inside half of a submitted run gets it: the control side passes it in
+# (a submitter imports nothing of the control side)
+RunJob = Callable[..., "RunResult"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,12 @@ class Submitter(ABC):
     """Hands whole runs to a scheduler that runs the launcher inside its allocation."""
 
     name: ClassVar[str] = "base"
+    # where it submits is an address (``--address``, ``run_job(address=)``): a run given one goes to it
+    takes_address: ClassVar[bool] = False
+    # what the launcher inside the scheduler's job needs besides the launcher's own dependencies
+    # (checked, one line and exit 2, before anything else is imported there)
+    needs: ClassVar[tuple[str, ...]] = ()
+    usage: ClassVar[str] = ""  # the inside entry's arguments after its name, for the usage line
 
     def __init__(self, address: str | None = None) -> None:
         self.address = address  # where the scheduler is, for those that need one (a Ray dashboard)
@@ -170,6 +180,32 @@ class Submitter(ABC):
     @abstractmethod
     def claims(cls, job_id: str, address: str | None) -> bool:
         """Whether ``job_id`` (as ``launch status|logs|stop`` got it) is one of this scheduler's."""
+
+    @classmethod
+    def address_of(cls, job: LoadedJob) -> str | None:
+        """The address the spec's settings name for this submitter (``takes_address``), if any."""
+        return None
+
+    @classmethod
+    def takes_run(cls, job: LoadedJob, address: str | None, env: Mapping[str, str]) -> bool:
+        """Whether a run of ``job`` on this backend is submitted (rather than started here by the
+        engine of the same name): ``address`` the cluster address given or named by the spec,
+        ``env`` this process's environment (the launcher inside the job is not submitted again)."""
+        return False
+
+    @classmethod
+    def resume_refusal(cls, run_dir: Path) -> str | None:
+        """Why ``launch resume`` must leave ``run_dir`` alone when it is one of this scheduler's
+        runs (its scheduler continues it), else None."""
+        return None
+
+    @classmethod
+    def run_inside(cls, argv: Sequence[str], run_job: RunJob) -> int | None:
+        """The inside half: ``python -m launcher.control.submitted NAME ARGV...``, run by the
+        scheduler's job, runs the launcher there with ``run_job`` (the control side's, passed in)
+        and reports over the remote-run wire; returns the process's exit code (None: ``argv`` is
+        not what it takes; the usage line is printed)."""
+        raise NotImplementedError(f"{cls.name}: no inside entry")
 
     def check_job(self, job: LoadedJob, cluster: str | None = None) -> None:
         """Refuse what this scheduler can never run, before anything is submitted (LauncherError)."""

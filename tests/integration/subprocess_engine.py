@@ -9,48 +9,103 @@ beacon and report files and hands its lines to the LogRouter, which turns them i
 as it does for an agent's output. poll(): done when every rank has exited (ok when all exited 0),
 a non-zero exit reported as ``RankExited``. stop(): SIGTERM, then SIGKILL, by pid.
 
-Registered in a test with ``launcher.backends.register_engine("subprocess", SubprocessEngine)``;
-nothing under ``launcher/`` knows it.
+Its settings block, ``subprocess: {env: {...}, grace_s: ...}`` in the spec (``SubprocessSettings``,
+validated by the spec loader at file:line like any field): variables added to every rank's
+environment, and how long ``stop`` waits before SIGKILL. With ``submit: true`` a run is handed to
+its submitter (``SubprocessSubmitter``): a detached local process stands in for a scheduler's job,
+runs the launcher inside (``python -m launcher.control.submitted subprocess RUN_DIR``'s
+equivalent, after registering this engine there too) and is followed over the remote-run wire
+(``launcher.stage.wire``) in its output file; ``launch status|logs|stop local:RUN_DIR`` reach it.
+
+Registered from a test with one call, ``register()``; nothing under ``launcher/`` knows it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import threading
-from typing import IO
+import time
+from pathlib import Path
+from typing import IO, Callable, ContextManager, Mapping, Sequence
 
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from launcher import backends
+from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.protocol import StagePaths
 from launcher.records import RankExit
+from launcher.results.store import RunResult, load_result
 from launcher.runtime.forwarder import RankForwarder
-from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
+from launcher.spec.model import LoadedJob
+from launcher.stage.engine import HandleStatus, JobInfo, LaunchRequest, RunJob, StageEngine, StageHandle, Submission, Submitter
 from launcher.stage.events import RankExited
 from launcher.stage.logrouting import LogRouter
 from launcher.stage.plan import RankSlot, StagePlan
+from launcher.stage.watch import RunEvents
+from launcher.stage.wire import RemoteRun, WireEvents, WireReader, follow, readable
 
+NAME = "subprocess"
 WORKER = ("-m", "launcher.runtime.worker")
+INSIDE = "GPULAUNCH_SUBPROCESS_INSIDE"  # set for the launcher inside a submitted run: it is not submitted again
+REPO = Path(__file__).resolve().parents[2]
+
+
+def register() -> None:
+    """The one registry entry: the engine, its settings block and its submitter."""
+    backends.register_engine(NAME, SubprocessEngine, settings=SubprocessSettings, submitter=SubprocessSubmitter)
+
+
+class SubprocessSettings(BaseModel):
+    """The spec's ``subprocess:`` block."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    env: dict[str, str] = Field(default_factory=dict)  # added to every rank's environment
+    grace_s: float = Field(5.0, gt=0, le=60)  # stop: SIGTERM, this long, then SIGKILL
+    submit: bool = False  # hand the run to the submitter (a detached local process runs the launcher)
+
+
+def settings_of(job: LoadedJob) -> SubprocessSettings:
+    settings = job.spec.engine_settings(NAME)
+    return settings if isinstance(settings, SubprocessSettings) else SubprocessSettings()  # registered without its block
 
 
 class SubprocessEngine(StageEngine):
-    name = "subprocess"
+    name = NAME
+
+    def __init__(self) -> None:
+        self.settings = SubprocessSettings()
+
+    def check_job(self, job: LoadedJob, cluster: str | None) -> None:
+        if cluster is not None or job.spec.cluster is not None:
+            raise LauncherError(f"{NAME}: runs every rank on this machine; drop the cluster file", exit_code=EXIT_BAD_INPUT)
+        self.settings = settings_of(job)
+
+    def session(self, job: LoadedJob) -> ContextManager[None]:
+        self.settings = settings_of(job)
+        return contextlib.nullcontext()
 
     def launch_request(self, plan: StagePlan) -> LaunchRequest:
-        commands = tuple(f"[{r.host}] $ RANK={r.rank} {shlex.join([sys.executable, *WORKER, str(plan.paths.worker_config)])}" for r in plan.ranks)
+        env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(self.settings.env.items()))
+        commands = tuple(f"[{r.host}] $ {env}RANK={r.rank} {shlex.join([sys.executable, *WORKER, str(plan.paths.worker_config)])}" for r in plan.ranks)
         return LaunchRequest(self.name, commands, ("each rank a plain subprocess; rank 0 hosts the rendezvous store",))
 
     def start(self, plan: StagePlan, logs: LogRouter) -> StageHandle:
-        stage = SubprocessStage(plan, logs)
+        stage = SubprocessStage(plan, logs, self.settings)
         stage.start()
         return stage
 
 
 class SubprocessStage(StageHandle):
-    def __init__(self, plan: StagePlan, logs: LogRouter) -> None:
+    def __init__(self, plan: StagePlan, logs: LogRouter, settings: SubprocessSettings | None = None) -> None:
         super().__init__(plan, logs)
+        self.settings = settings or SubprocessSettings()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.readers: list[threading.Thread] = []
         self.forwarder = RankForwarder(StagePaths(plan.stage_dir), [r.rank for r in plan.ranks], lambda line: logs.route(line, "disk"))
@@ -58,7 +113,7 @@ class SubprocessStage(StageHandle):
 
     def start(self) -> None:
         for slot in self.plan.ranks:
-            env = {**os.environ, **self.plan.rank_env(slot), "TORCHELASTIC_RESTART_COUNT": "0", "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, **self.settings.env, **self.plan.rank_env(slot), "TORCHELASTIC_RESTART_COUNT": "0", "PYTHONUNBUFFERED": "1"}
             proc = subprocess.Popen(
                 [sys.executable, *WORKER, str(self.plan.paths.worker_config)],
                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
@@ -92,7 +147,7 @@ class SubprocessStage(StageHandle):
 
     def stop(self, grace_s: float = 5.0) -> None:
         live = [p for p in self.procs.values() if p.poll() is None]
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for sig, wait in ((signal.SIGTERM, min(grace_s, self.settings.grace_s)), (signal.SIGKILL, 5.0)):
             for proc in live:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
@@ -106,3 +161,150 @@ class SubprocessStage(StageHandle):
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signum)
+
+
+# --- the submit path: a whole run handed to a "scheduler" (a detached local process) ----------------
+
+OUTPUT = "job.out"  # the job's output: the remote-run wire
+JOB_FILE = "job.json"  # the job's pid, for status and stop
+INSIDE_CODE = (
+    "import sys; from tests.integration.subprocess_engine import register; register(); "
+    "from launcher.control.submitted import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def inside_argv(run_dir: Path) -> list[str]:
+    """``python -m launcher.control.submitted subprocess RUN_DIR``, this engine registered first
+    (the launcher inside is a fresh interpreter: an engine from outside launcher/ registers itself there)."""
+    return [sys.executable, "-c", INSIDE_CODE, NAME, str(run_dir)]
+
+
+class SubprocessSubmitter(Submitter):
+    name = NAME
+    usage = "RUN_DIR"
+
+    @classmethod
+    def claims(cls, job_id: str, address: str | None) -> bool:
+        return job_id.startswith("local:")
+
+    @classmethod
+    def takes_run(cls, job: LoadedJob, address: str | None, env: Mapping[str, str]) -> bool:
+        return settings_of(job).submit and env.get(INSIDE) != "1"
+
+    @classmethod
+    def run_inside(cls, argv: Sequence[str], run_job: RunJob) -> int | None:
+        if len(argv) != 1:
+            return None
+        from launcher.spec.model import load_job
+
+        run_dir = Path(argv[0])
+        try:
+            result = run_job(load_job(run_dir / "spec.yaml"), backend=NAME, run_dir=run_dir, events=WireEvents(), metrics=False)
+        except LauncherError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
+        return result.exit_code
+
+    def check_job(self, job: LoadedJob, cluster: str | None = None) -> None:
+        SubprocessEngine().check_job(job, cluster)
+
+    def dry_run(self, submission: Submission) -> tuple[list[LaunchRequest], list[str]]:
+        run_dir = submission.out.resolve() / submission.job.spec.name / "<run-id>"
+        request = LaunchRequest(NAME, (f"$ {shlex.join(inside_argv(run_dir))} > {run_dir / OUTPUT} &",))
+        return [request], ["planned inside the job, on this machine"]
+
+    def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
+        job = submission.job
+        run_dir = submission.out.resolve() / job.spec.name / submission.run_id
+        run_dir.mkdir(parents=True)
+        (run_dir / "spec.yaml").write_text(yaml.safe_dump(job.spec.model_dump(mode="json"), sort_keys=False))
+        env = {**os.environ, INSIDE: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        with open(run_dir / OUTPUT, "wb") as out:
+            proc = subprocess.Popen(inside_argv(run_dir), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=job.base_dir)  # fmt: skip
+        (run_dir / JOB_FILE).write_text(json.dumps({"pid": proc.pid}))
+        job_id = f"local:{run_dir}"
+        events.message(f"submitted {job_id} (pid {proc.pid})")
+        if detach:
+            return RunResult({"job": job.spec.name, "status": "pending", "job_id": job_id, "run_dir": str(run_dir)}, run_dir)
+        reader = WireReader(events, NAME)
+        state = follow(_OutputFile(run_dir, proc.poll), reader, interrupted=lambda: bool(stop), poll_s=0.1)
+        if state is None:  # stopped here: the job too
+            self.stop(job_id)
+            reader.feed(_OutputFile(run_dir, proc.poll).new_lines(final=True))
+        reader.close()
+        proc.wait()
+        data = load_result(run_dir)  # the record the launcher inside wrote: the results layer's document
+        if data is None:
+            data = {"job": job.spec.name, "status": "failed", "failure": {"reason": "not_started", "detail": f"the job exited {proc.returncode}"}}
+        return RunResult(data, run_dir)
+
+    def status(self, job_id: str) -> JobInfo:
+        run_dir = _run_dir(job_id)
+        alive = _alive(run_dir)
+        result = load_result(run_dir) or {}
+        status = "RUNNING" if alive else str(result.get("status", "ENDED")).upper()
+        return JobInfo(job_id, status, terminal=not alive, entrypoint=shlex.join(inside_argv(run_dir)))
+
+    def logs(self, job_id: str, *, follow: bool, echo: Callable[[str, str], None]) -> None:
+        run_dir = _run_dir(job_id)
+        output = _OutputFile(run_dir, lambda: None if _alive(run_dir) else 0)
+        while True:
+            ended = output.ended(None) is not None
+            for line in output.new_lines(final=ended):
+                shown = readable(line)
+                if shown is not None:
+                    echo(*shown)
+            if ended or not follow:
+                return
+            time.sleep(0.1)
+
+    def stop(self, job_id: str) -> JobInfo:
+        run_dir = _run_dir(job_id)
+        pid = int(json.loads((run_dir / JOB_FILE).read_text())["pid"])
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)  # the launcher inside stops its ranks and writes its record
+        deadline = time.monotonic() + 30
+        while _alive(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.status(job_id)
+
+
+def _run_dir(job_id: str) -> Path:
+    run_dir = Path(job_id.removeprefix("local:"))
+    if not (run_dir / JOB_FILE).is_file():
+        raise LauncherError(f"{job_id}: no such {NAME} job", exit_code=EXIT_BAD_INPUT)
+    return run_dir
+
+
+def _alive(run_dir: Path) -> bool:
+    pid = int(json.loads((run_dir / JOB_FILE).read_text())["pid"])
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reaped where it is this process's child
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class _OutputFile(RemoteRun):
+    """The job's output file, read as it grows; ended once the job's process has."""
+
+    def __init__(self, run_dir: Path, poll: Callable[[], int | None]) -> None:
+        self.path, self.poll, self.offset, self.partial = run_dir / OUTPUT, poll, 0, ""
+
+    def new_lines(self, final: bool = False) -> list[str]:
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            f.seek(self.offset)
+            text = self.partial + f.read()
+            self.offset = f.tell()
+        lines = text.split("\n")
+        self.partial = "" if final else lines.pop()
+        return [line for line in lines if line or not final]
+
+    def ended(self, reader: WireReader | None) -> str | None:
+        code = self.poll()
+        return None if code is None else ("COMPLETED" if code == 0 else f"EXITED {code}")

@@ -6,6 +6,7 @@ remote-run wire's: tests/unit/test_wire.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,13 +24,14 @@ from launcher.backends.slurm import script as slurm_script
 from launcher.backends.slurm.jobs import OutputTail
 from launcher.backends.slurm.script import allocation_for, batch_body, sbatch_script
 from launcher.backends.slurm.submit import SlurmRun
-from launcher.control.submitted import restart_count, saved_progress
+from launcher.backends.slurm.inside import restart_count, saved_progress
 from launcher.stage.watch import RunEvents
 from launcher.stage.wire import WireReader
 from launcher.backends.slurm.outcome import explain_end
 from launcher.errors import PlanError, SpecError
 from launcher.records import FailureReason
 from launcher.spec.model import load_job
+from tests.waiting import poll
 
 
 def job(tmp_path: Path, extra: str = "", resources: str = "{nodes: 2, cpu_workers: 2}"):
@@ -208,7 +210,15 @@ def _start_batch_shell(tmp_path: Path, body: list[str]) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(script)], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
 
 
-def _wait_ready(notes: Path, timeout_s: float = 20) -> None:
+def _napping(shell: int) -> bool:
+    """The batch shell sleeps, waiting for Slurm's end (its ``trap - TERM`` is behind it then)."""
+    try:
+        return any(child.name() == "sleep" for child in psutil.Process(shell).children())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_ready(notes: Path, timeout_s: float = 60) -> None:
     """Until the stand-in launcher has written "ready" (its handlers are set)."""
     deadline = time.monotonic() + timeout_s
     while "ready" not in (notes.read_text() if notes.exists() else "") and time.monotonic() < deadline:
@@ -243,22 +253,27 @@ def test_the_batch_script_ends_the_job_as_the_launcher_inside_did(tmp_path, monk
     comes: cancelled after the warning's lead); Slurm's SIGTERM to the whole batch step reaches
     the launcher once, the shell stays; 0 and 1 are passed on alone."""
     monkeypatch.setattr(slurm_script, "SIGNAL_EARLY_S", 0)  # the wait for Slurm's end: warn_s alone
+    # Slurm's end comes within the warning's lead where the case says so ("wait TERM"): a lead of
+    # 60 s then, so that it comes first however late a loaded machine sends it; else 1 s
+    warn_s = 60 if "wait" in signals.split() else 1
     (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
     notes = tmp_path / "notes"
-    shell = _start_batch_shell(tmp_path, batch_body([sys.executable, str(tmp_path / "launcher.py"), mode, str(notes)], 1))
+    shell = _start_batch_shell(tmp_path, batch_body([sys.executable, str(tmp_path / "launcher.py"), mode, str(notes)], warn_s))
     try:
         _wait_ready(notes)
         launcher = int((tmp_path / "notes.pid").read_text())
         for name in signals.split():
-            if name == "wait":  # the launcher has ended meanwhile
-                time.sleep(0.6)
+            if name == "wait":  # until the launcher has ended and the shell waits for Slurm's end (its nap)
+                assert poll(lambda: _napping(shell.pid), 60.0, 0.02), "the shell never began to wait for Slurm's end"  # a hang guard
                 continue
             sig = getattr(signal, f"SIG{name}")
             os.kill(shell.pid, sig)
             if name == "TERM" and psutil.pid_exists(launcher):  # Slurm signals every process of the batch step
                 os.kill(launcher, sig)
             time.sleep(0.05)
-        assert shell.wait(20) == code
+        assert shell.wait(60) == code  # 60 s: a hang guard
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)  # a nap the shell left (it holds the shell's stdout open)
         said = shell.stdout.read() if shell.stdout else ""
     finally:
         if shell.poll() is None:
@@ -268,7 +283,7 @@ def test_the_batch_script_ends_the_job_as_the_launcher_inside_did(tmp_path, monk
     done = tmp_path / "asked"
     assert (done.read_text().splitlines() if done.exists() else []) == asked
     if "USR1" in signals:
-        assert "gpulaunch: SIGUSR1 from Slurm (time limit in 1 s, or preemption)" in said, said
+        assert f"gpulaunch: SIGUSR1 from Slurm (time limit in {warn_s} s, or preemption)" in said, said
     if asked == [REQUEUED]:
         assert "gpulaunch: Slurm job 4242 requeued: the next allocation resumes the run" in said, said
     elif mode == "stop" and signals == "USR1":

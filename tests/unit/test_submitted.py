@@ -46,6 +46,6 @@ def test_the_runs_record_always_travels_however_large(tmp_path):
 def test_a_cluster_python_without_the_dependencies_says_what_it_lacks(capsys, monkeypatch):
     monkeypatch.setattr(submitted, "NEEDED", ("yaml", "gl_no_such_module_here"))
     assert submitted.missing_dependencies() == ["gl_no_such_module_here"]
-    assert submitted.inside_ray("spec.yaml") == 2
+    assert submitted.main(["ray", "spec.yaml"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: the cluster's Python (") and "lacks gl_no_such_module_here" in line

@@ -6,6 +6,7 @@
     wirefile.py  the remote-run wire on its own file beside the job's log (which stays for people), streamed back
     bundle.py    the run directory sent back at the end of the wire (its record always; large artifacts stay)
     submit.py    the submitter: submit, follow over the remote-run wire, stop, status, logs, the result
+    inside.py    the launcher inside the Ray job (``python -m launcher.control.submitted ray SPEC RUN_ID``)
 """
 
 from launcher.backends.ray_jobs.submit import RayJobsSubmitter

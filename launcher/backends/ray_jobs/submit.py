@@ -23,8 +23,9 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from launcher.backends.ray_jobs import inside
 from launcher.backends.ray_jobs.bundle import LEFT_FILE, BundleLines
 from launcher.backends.ray_jobs.client import (
     RAY_LOG_FILE, TERMINAL, LogTail, check_address, client, one_line, ray_logs_into, status, stop_and_wait,
@@ -35,7 +36,7 @@ from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, L
 from launcher.procutil import handling_stop_signals
 from launcher.protocol import ENV_RAY_CONNECT
 from launcher.results.store import RunResult, load_result, write_result
-from launcher.stage.engine import JobInfo, LaunchRequest, Submission, Submitter
+from launcher.stage.engine import JobInfo, LaunchRequest, RunJob, Submission, Submitter
 from launcher.stage.plan import NodeTarget
 from launcher.stage.wire import RemoteRun, WireReader, follow, readable
 
@@ -51,10 +52,25 @@ _RESULT_KEYS = ("job", "status", "stages", "ranks")  # what a result.json that c
 
 class RayJobsSubmitter(Submitter):
     name = "ray"
+    takes_address = True  # the cluster's dashboard: --address, or the spec's ray.address
+    needs = ("ray",)
+    usage = inside.USAGE
 
     @classmethod
     def claims(cls, job_id: str, address: str | None) -> bool:
         return address is not None or not job_id.isdigit()  # a bare number is a Slurm job
+
+    @classmethod
+    def address_of(cls, job: LoadedJob) -> str | None:
+        return job.spec.ray.address
+
+    @classmethod
+    def takes_run(cls, job: LoadedJob, address: str | None, env: Mapping[str, str]) -> bool:
+        return address is not None  # without one, the Ray engine runs the job here (or inside the Ray job)
+
+    @classmethod
+    def run_inside(cls, argv: Sequence[str], run_job: RunJob) -> int | None:
+        return inside.run_inside(argv, run_job)
 
     def check_job(self, job: LoadedJob, cluster: str | None = None) -> None:
         from launcher.backends.ray import RayEngine

@@ -6,6 +6,5 @@
     jobs.py      a job by its id: status, logs, stop (``launch status|logs|stop JOB_ID``)
     outcome.py   the run's result once the job ended (written here if the launcher inside could not)
     backend.py   the srun engine, inside the job: the allocation's nodes, an srun step per node, a lost node named
-
-The launcher inside the job is ``python -m launcher.control.submitted slurm RUN_DIR``.
+    inside.py    the launcher inside the job: ``python -m launcher.control.submitted slurm RUN_DIR``, a requeued job resumed
 """

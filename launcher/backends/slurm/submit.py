@@ -25,11 +25,11 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import yaml
 
-from launcher.backends.slurm import commands
+from launcher.backends.slurm import commands, inside
 from launcher.backends.slurm.backend import check_no_cluster_file
 from launcher.backends.slurm.jobs import ACTIVE_NOT_STARTED, OutputTail, cancel_and_wait, job_info, job_logs, stop_job, wait_ended
 from launcher.backends.slurm.outcome import finish
@@ -41,8 +41,8 @@ from launcher.backends.torchrun import agent_argv
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.masking import mask_env
 from launcher.procutil import handling_stop_signals, read_json, write_json_atomic
-from launcher.protocol import RankProgress, StagePaths
-from launcher.stage.engine import JobInfo, LaunchRequest, Submission, Submitter
+from launcher.protocol import ENV_SLURM_INSIDE, RankProgress, StagePaths
+from launcher.stage.engine import JobInfo, LaunchRequest, RunJob, Submission, Submitter
 from launcher.stage.plan import NodeTarget, StagePlan
 from launcher.stage.wire import RemoteRun, WireReader, follow
 
@@ -62,6 +62,7 @@ DRY_RUN_PROBE_S = 5.0  # a dry run asks sinfo this long: a client with no contro
 
 class SlurmSubmitter(Submitter):
     name = "slurm"
+    usage = inside.USAGE
 
     def __init__(self, address: str | None = None) -> None:
         super().__init__(address)
@@ -72,6 +73,21 @@ class SlurmSubmitter(Submitter):
     @classmethod
     def claims(cls, job_id: str, address: str | None) -> bool:
         return address is None and job_id.isdigit()
+
+    @classmethod
+    def takes_run(cls, job: LoadedJob, address: str | None, env: Mapping[str, str]) -> bool:
+        return env.get(ENV_SLURM_INSIDE) != "1"  # inside its batch job, the srun engine runs the stages
+
+    @classmethod
+    def run_inside(cls, argv: Sequence[str], run_job: RunJob) -> int | None:
+        return inside.run_inside(argv, run_job)
+
+    @classmethod
+    def resume_refusal(cls, run_dir: Path) -> str | None:
+        if not (run_dir / RECORD_FILE).is_file():  # a run submitted to Slurm has its job's record: not a run of this machine's
+            return None
+        return ("a Slurm run; Slurm continues it: its job requeues itself after a preemption warning, "
+                f"or `scontrol requeue JOBID` while Slurm remembers the job, or `sbatch {run_dir / SCRIPT_FILE}`")  # fmt: skip
 
     def check_job(self, job: LoadedJob, cluster: str | None = None) -> None:
         check_no_cluster_file(job, cluster)
