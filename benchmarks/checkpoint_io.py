@@ -132,7 +132,7 @@ def folder_bytes(path: Path) -> int:
 def make_checkpoints(root: Path, cls: Any = None) -> Any:
     import torch
 
-    from launcher.checkpoints import job_identity
+    from launcher.checkpoint_store import job_identity
     from launcher.protocol import WorkerConfig
     from launcher.runtime.checkpoint import Checkpoints
 
@@ -265,7 +265,7 @@ def _step_rank(rank: int, store_path: str, reps: int, steps: int, calls: int, ck
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from benchmarks.straggler_overhead import mlp
-    from launcher.checkpoints import job_identity
+    from launcher.checkpoint_store import job_identity
     from launcher.protocol import WorkerConfig
     from launcher.runtime.checkpoint import Checkpoints, StopNotice
 

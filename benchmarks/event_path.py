@@ -42,10 +42,10 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import base_parser, bench_env, machine_info, summary, write_result  # noqa: E402
-from launcher.control.monitoring import MetricsEvents  # noqa: E402
+from launcher.monitoring.live import MetricsEvents  # noqa: E402
 from launcher.control.planning import plan_stage  # noqa: E402
 from launcher.control.runloop import StopRequest, run_stage  # noqa: E402
-from launcher.runtime.devices import NodeInventory  # noqa: E402
+from launcher.hardware.devices import NodeInventory  # noqa: E402
 from launcher.spec.model import load_job  # noqa: E402
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle  # noqa: E402
 from launcher.stage.logrouting import LogRouter  # noqa: E402

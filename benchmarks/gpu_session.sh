@@ -146,7 +146,7 @@ EOF
 STEP_STDOUT=$OUT/imports.txt step imports 60 "$PY" "$RUNS/imports.py" "$DRY"
 
 if [ "$DRY" = 1 ]; then DEV=cpu; else DEV=cuda; fi
-STEP_STDOUT=$OUT/nvml_record.json step nvml_record 30 "$PY" -m launcher.runtime.nvml --record
+STEP_STDOUT=$OUT/nvml_record.json step nvml_record 30 "$PY" -m launcher.hardware.nvml --record
 
 # --- every job in jobs/, as a new user types it ------------------------------------------------
 dry_sets() {  # small sizes on the CPU (the dry run proves the plumbing, not the jobs)

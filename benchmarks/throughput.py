@@ -41,8 +41,8 @@ LAUNCH = [sys.executable, "-m", "launcher"]  # `launch`, from this Python (the t
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, from this Python
 
 def gpu_peak(name: str, dtype: str) -> float | None:
-    """The datasheet's dense peak for ``dtype`` (the selftest's table: ``launcher.hardware``)."""
-    from launcher.hardware import gpu_peaks
+    """The datasheet's dense peak for ``dtype`` (the selftest's table: ``launcher.hardware.limits``)."""
+    from launcher.hardware.limits import gpu_peaks
 
     peaks = gpu_peaks(name)
     if peaks is None:

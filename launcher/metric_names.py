@@ -1,5 +1,5 @@
 """Metric names and labels, in one place for every exporter: the launcher's Prometheus endpoint
-(``launcher.control.metrics_endpoint``) and the Ray actors (``launcher.runtime.ray_actor``).
+(``launcher.monitoring.endpoint``) and the Ray actors (``launcher.runtime.ray_actor``).
 Standard library only: the rank runtime imports it.
 """
 

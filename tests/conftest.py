@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Every launch the suite starts (here or in a child, which inherits the environment) announces its
 # metrics endpoint in a directory of this process's own, never /tmp/gpulaunch/prom_sd/, which a real
-# Prometheus may watch (launcher/control/metrics_endpoint.py: SD_DIR_ENV). Each xdist worker has its own.
+# Prometheus may watch (launcher/monitoring/endpoint.py: SD_DIR_ENV). Each xdist worker has its own.
 PROM_SD_DIR = Path(tempfile.mkdtemp(prefix="gpulaunch-test-prom-sd-"))
 os.environ["GPULAUNCH_PROM_SD_DIR"] = str(PROM_SD_DIR)
 

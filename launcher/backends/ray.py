@@ -41,7 +41,7 @@ from launcher.evidence import RankEvidence
 from launcher.procutil import cmdline, descendants, kill_now, pid_alive, process_start_ticks, wait_gone
 from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, STOP_NOTICE_SIGNAL, RankProgress, RankReport
 from launcher.records import RankExit
-from launcher.runtime.devices import GpuInfo, NodeInventory
+from launcher.hardware.devices import GpuInfo, NodeInventory
 from launcher.runtime.hangdump import gather_as_dicts
 from launcher.runtime.ray_actor import NodeRelay, RankActor
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle

@@ -35,9 +35,9 @@ from launcher.records import Failure, FailureReason, PreflightRecord, SkippedWor
 from launcher.results.aggregate import aggregate
 from launcher.results.hooks import make_plots, run_summarize, workload_module
 from launcher.results.series import default_summary
-from launcher.results.record import RunRecord
+from launcher.results.run_record import RunRecord
 from launcher.results.store import RunResult, load_result, write_result
-from launcher.runtime.devices import NodeInventory, discover
+from launcher.hardware.devices import NodeInventory, discover
 from launcher.spec.model import LoadedJob, load_job
 from launcher.stage.engine import LaunchRequest, StageEngine, Submission, Submitter
 from launcher.protocol import StagePaths
@@ -261,7 +261,7 @@ def dry_run(
 def recorded_nodes(job: LoadedJob, cluster: str | None, inventory: str | Path) -> list[NodeTarget]:
     """The nodes a dry run plans on from a recorded inventory: this machine's place taken by the
     recorded node, or every host of the cluster file given the recorded node's GPUs and CPUs."""
-    from launcher.runtime.devices import InventoryFileError, load_inventory
+    from launcher.hardware.devices import InventoryFileError, load_inventory
 
     try:
         recorded = load_inventory(inventory, visible_override=job.spec.env.get("CUDA_VISIBLE_DEVICES"))
@@ -276,7 +276,7 @@ def assumed_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
     """A cluster file's hosts as written, for a dry run that logs in to none: the GPUs the spec
     names (``gpus_per_node: N``; with ``auto``, none known: CPU workers, or one GPU where the spec
     demands ``device: cuda``) and this machine's CPU count stand in for what a login would tell."""
-    from launcher.runtime.devices import GpuInfo, usable_cpu_count
+    from launcher.hardware.devices import GpuInfo, usable_cpu_count
 
     res = job.spec.resources
     counted = isinstance(res.gpus_per_node, int)
@@ -464,7 +464,7 @@ def _serving_metrics(loaded: LoadedJob, run_id: str, backend: str, events: RunEv
     if not (wanted and settings.enabled):
         yield events
         return
-    from launcher.control.monitoring import MetricsEvents
+    from launcher.monitoring.live import MetricsEvents
 
     metrics = MetricsEvents(loaded.spec.name, run_id, backend, settings.samples_per_step)
     try:

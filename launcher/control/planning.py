@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from launcher.checkpoints import job_identity
+from launcher.checkpoint_store import job_identity
 from launcher.errors import PlanError
 from launcher.protocol import StagePaths, WorkerConfig, rank_device
 from launcher.policies import HangPolicy, RestartPolicy, StragglerPolicy
@@ -260,7 +260,7 @@ def _rank_slots(nodes: Sequence[NodeSlot], device_type: str, ranks_per_gpu: int)
 
 
 def job_identity_of(job: LoadedJob) -> str:
-    """What the job's checkpoints carry to be its own (``launcher.checkpoints.job_identity``)."""
+    """What the job's checkpoints carry to be its own (``launcher.checkpoint_store.job_identity``)."""
     return job_identity(job.spec.name, job.spec.entrypoint or job.spec.script or "", job.spec.args)
 
 

@@ -2,7 +2,7 @@
 
 ``launch JOB --cluster FILE --detach`` checks what it can here (the spec, the cluster file, the
 sizes), then starts the run loop on the cluster's controller host (``controller:`` in the
-cluster file, else its first host) as ``python -m launcher.control.detached run`` in a session
+cluster file, else its first host) as ``python -m launcher.control.detached_controller run`` in a session
 of its own, and returns with the run id. ``attach`` follows it (the same live view as a
 foreground run: the controller's remote-run wire through one ssh connection), ``stop``,
 ``status``, ``logs``, ``fetch`` and ``resume`` find it by its run id on that host.

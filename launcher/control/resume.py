@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from launcher.checkpoints import CheckpointError, check_writable, latest
+from launcher.checkpoint_store import CheckpointError, check_writable, latest
 from launcher.control.planning import job_identity_of
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.procutil import read_json, write_json_atomic

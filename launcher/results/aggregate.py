@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 from launcher.protocol import RankReport
 from launcher.policies import FailureClass
 from launcher.records import AttemptRecord, Failure, RunStatus, StageOutcome, Straggler
-from launcher.results.record import RunRecord, StageRecord
+from launcher.results.run_record import RunRecord, StageRecord
 
 PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")
 # each phase ends at a rank's stamp: spawned (the process exists), imported (torch and the job's

@@ -133,7 +133,7 @@ def _serve_store_on_rendezvous_address() -> None:
     """The stage's store, which node 0's agent hosts for every rank (torchrun's static
     rendezvous), listening on the rendezvous address alone (``--master-addr``: 127.0.0.1 for a
     stage on this machine) instead of on every interface, through ``TCPStore(master_listen_fd=...)``
-    (``launcher.runtime.store.serve_store``; torch's TCPStore has no option to bind one address).
+    (``launcher.runtime.rendezvous_store.serve_store``; torch's TCPStore has no option to bind one address).
     The static rendezvous builds its store through its module's ``TCPStore``: the server is made
     here, a client (the other nodes' agents) as before. Where the address is a name, or one this
     machine does not hold, torch's own store serves it as before."""
@@ -142,7 +142,7 @@ def _serve_store_on_rendezvous_address() -> None:
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
 
-    from launcher.runtime.store import serve_store
+    from launcher.runtime.rendezvous_store import serve_store
 
     def store(
         host_name: str, port: int, world_size: int | None = None, is_master: bool = False, timeout: timedelta = timedelta(seconds=300), **options: Any

@@ -13,7 +13,7 @@ Every rank calls ``save`` at the same step, as with ``torch.distributed.checkpoi
 
 ``load`` returns the newest complete checkpoint any host has, on this rank's device, or None on a
 fresh start. Files are written under a temporary name and published by a rename with a manifest
-(step, job, SHA-256 of each file): a checkpoint cut short is never loaded (``launcher.checkpoints``).
+(step, job, SHA-256 of each file): a checkpoint cut short is never loaded (``launcher.checkpoint_store``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from launcher.checkpoints import (
+from launcher.checkpoint_store import (
     MANIFEST,
     STATE_FILE,
     CheckpointError,

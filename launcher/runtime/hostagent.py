@@ -7,7 +7,7 @@ every remote host, before and around the ranks, and never imports the control si
   the host (the connection's first session; the agents' sessions share it, multiplexed). It
   answers requests (one JSON line each on stdin: ``preflight``, ``free-port``, ``prepare``,
   ``fetch``, ``signal``, ``evidence``, and the network check's ``net-listen`` and ``net-ring``,
-  see ``launcher.runtime.netcheck``) with one tagged JSON line each on stdout, one request at a
+  see ``launcher.runtime.linkprobe``) with one tagged JSON line each on stdout, one request at a
   time (``net-ring`` holds the loop for its seconds), and writes a heartbeat line every second,
   by which the launcher tells a live host from a lost one. It exits when the launcher closes its
   stdin, or says nothing (requests or pings) for ``--silence-s`` seconds.
@@ -89,7 +89,7 @@ def do_preflight(ifname: str | None = None, bind: str | None = None, visible_dev
     import platform
     import socket
 
-    from launcher.runtime.devices import discover
+    from launcher.hardware.devices import discover
 
     try:
         interfaces = sorted(name for _, name in socket.if_nameindex())
@@ -166,15 +166,15 @@ def do_fetch(stage: str, ranks: list[int]) -> dict[str, Any]:
 
 
 def do_net_listen(bind: str, for_s: float) -> dict[str, Any]:
-    """The network check's listener on this host (``launcher.runtime.netcheck``), for ``for_s`` s."""
-    from launcher.runtime.netcheck import listen_request
+    """The network check's listener on this host (``launcher.runtime.linkprobe``), for ``for_s`` s."""
+    from launcher.runtime.linkprobe import listen_request
 
     return listen_request(bind, for_s)
 
 
 def do_net_ring(peers: list[list[Any]], send_s: float, max_mb: float, **timing: Any) -> dict[str, Any]:
     """This host's links to ``peers`` (``[name, address, port]``), measured one after the other."""
-    from launcher.runtime.netcheck import ring_request
+    from launcher.runtime.linkprobe import ring_request
 
     return ring_request(peers, send_s, max_mb, **timing)
 

@@ -30,7 +30,7 @@ from launcher import metric_names as names
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_RANK_DEVICE, STOP_NOTICE_SIGNAL, RankReport, WorkerConfig
 from launcher.runtime.checkpoint import notify_stop, notify_watching_jobs
-from launcher.runtime.devices import usable_cpu_count
+from launcher.hardware.devices import usable_cpu_count
 
 
 

@@ -47,7 +47,7 @@ from launcher.protocol import (  # noqa: E402
     rank_device,
 )
 from launcher.runtime.checkpoint import listen_for_stop_notice  # noqa: E402
-from launcher.runtime.store import AGENT_STORE_ENV, serve_store, torch_store  # noqa: E402
+from launcher.runtime.rendezvous_store import AGENT_STORE_ENV, serve_store, torch_store  # noqa: E402
 from launcher.runtime.hangdump import RankAccount, enable_flight_recorder  # noqa: E402
 
 
@@ -382,7 +382,7 @@ def _select_device(torch: Any, config: WorkerConfig, planned: str, local_rank: i
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         )
     if config.gpu_health:  # before this process makes a context on it
-        from launcher.runtime.nvml import granted_gpu_problems
+        from launcher.hardware.nvml import granted_gpu_problems
 
         problems = granted_gpu_problems(device.index, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if problems:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from launcher.masking import mask_env
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_RANK_DEVICE, ENV_STAGE_DIR, StagePaths, WorkerConfig, rank_device
 from launcher.policies import HangPolicy, RestartPolicy, StragglerPolicy
-from launcher.runtime.devices import GpuInfo, NodeInventory
+from launcher.hardware.devices import GpuInfo, NodeInventory
 
 if TYPE_CHECKING:  # pydantic: the plan itself needs none of it
     from launcher.spec.cluster import HostConfig
@@ -200,7 +200,7 @@ def node_env(
     if not multi_node and target.ssh is None:
         # every rank on this machine: gloo's pair listeners and NCCL's bootstrap listen on loopback
         # alone (gloo would take whatever the hostname resolves to; NCCL the first non-loopback
-        # interface), as the store does (runtime.store.serve_store, on a rendezvous at 127.0.0.1)
+        # interface), as the store does (runtime.rendezvous_store.serve_store, on a rendezvous at 127.0.0.1)
         env["GLOO_SOCKET_IFNAME"] = LOOPBACK_IFNAME
         env["NCCL_SOCKET_IFNAME"] = LOOPBACK_IFNAME
     elif target.ifname:

@@ -38,7 +38,7 @@ def _run_parser() -> _Parser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and the exact commands; spawn nothing")
     p.add_argument(
         "--inventory", metavar="FILE",
-        help="with --dry-run: plan for a recorded node instead of this one (launch devices --json, or python -m launcher.runtime.nvml --record)",
+        help="with --dry-run: plan for a recorded node instead of this one (launch devices --json, or python -m launcher.hardware.nvml --record)",
     )  # fmt: skip
     p.add_argument("--preflight", action="store_true", help="with --dry-run and a cluster file: log in to every host and plan on what it has")
     p.add_argument("--backend", help=f"override the spec's backend ({', '.join(BackendName.names())}, or an engine registered in launcher.backends)")
@@ -135,7 +135,7 @@ def cmd_devices(argv: Sequence[str]) -> int:
     p = _Parser(prog="launch devices", description="Show this node's GPUs (like a compact nvidia-smi).")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from launcher.runtime.devices import discover
+    from launcher.hardware.devices import discover
 
     inventory = discover()
     if args.json:
@@ -222,7 +222,7 @@ def cmd_selftest(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     from rich.console import Console
 
-    from launcher.control.selftest import run_selftest
+    from launcher.control.selftest_run import run_selftest
     from launcher.ui.console import RunUI
 
     console = Console(stderr=True) if args.json else Console()

@@ -25,7 +25,7 @@ from rich.text import Text
 from launcher.masking import mask_env
 from launcher.results.series import timer_summary
 from launcher.results.store import RunResult
-from launcher.runtime.devices import NodeInventory
+from launcher.hardware.devices import NodeInventory
 from launcher.stage.engine import LaunchRequest
 from launcher.stage.plan import StagePlan
 from launcher.stage.watch import RunEvents, StageProgress

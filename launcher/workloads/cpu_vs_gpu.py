@@ -22,7 +22,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import ValidationInfo, field_validator
 
-from launcher.runtime.devices import usable_cpu_count
+from launcher.hardware.devices import usable_cpu_count
 from launcher.workloads.measure import host_barrier_group, machine_state, torch_dtype, trial_loop
 from launcher.workloads.params import Count, DtypeName, NonNegative, Positive, Sizes, WorkloadParams
 from launcher.workloads.plotting import devices_label, integer_ticks, legend_below, save_figure, values, yerr

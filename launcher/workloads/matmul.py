@@ -35,7 +35,7 @@ from pydantic import Field
 
 from launcher.fieldtypes import Real
 from launcher.workloads.fairness import busy_stages, load_words, threads_words
-from launcher.runtime.nvml import GpuClocks
+from launcher.hardware.nvml import GpuClocks
 from launcher.workloads.measure import clocks_dict, gpu_sampler, host_barrier_group, machine_state, set_threads, sync, torch_dtype, trial_loop
 from launcher.workloads.params import Count, DtypeName, NonNegative, Sizes, ThreadsPerRank, WorkloadParams
 from launcher.workloads.plotting import integer_ticks, legend_below, save_figure, values, yerr

@@ -85,7 +85,7 @@ def set_threads(ctx: Any, threads_per_rank: Any) -> dict[str, Any]:
 
 def machine_state() -> dict[str, Any]:
     """This node's usable cores and load average (1, 5, 15 min), read on the host: no device involved."""
-    from launcher.runtime.devices import usable_cpu_count
+    from launcher.hardware.devices import usable_cpu_count
 
     try:
         load = [round(x, 2) for x in os.getloadavg()]
@@ -125,7 +125,7 @@ def device_uuid(device: Any) -> str | None:
 def gpu_sampler(device: Any, *, interval_s: float = 0.02) -> Any:
     """A ``GpuSampler`` of ``device``'s GPU (its clocks, power and clock-event reasons while in a
     ``with``); on the CPU or without NVML one that samples nothing (its ``clocks`` stay None)."""
-    from launcher.runtime.nvml import GpuSampler
+    from launcher.hardware.nvml import GpuSampler
 
     uuid = device_uuid(device)
     return GpuSampler(uuid=uuid, interval_s=interval_s, enabled=uuid is not None)

@@ -3,7 +3,7 @@ then timed trials (CUDA events on a GPU, the host clock with nothing in flight o
 median reported with the spread. Shared by ``launch selftest`` and the GPU benchmarks, so that a
 figure is measured one way only.
 
-- matmul throughput (TFLOP/s) at a dtype, against ``launcher.hardware``'s datasheet peaks;
+- matmul throughput (TFLOP/s) at a dtype, against ``launcher.hardware.limits``'s datasheet peaks;
 - host<->device copies (pageable and pinned), peer copies between two GPUs, and a host memcpy;
 - all-reduce bus bandwidth as NCCL's ``all_reduce_perf`` reports it (algbw x 2(n-1)/n);
 - the recorder's promise: a training-like loop logging every step makes no host sync.
@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from launcher.hardware import allreduce_bus_factor
+from launcher.hardware.limits import allreduce_bus_factor
 
 GB = 1e9  # link speeds are quoted in 10^9 bytes per second
 

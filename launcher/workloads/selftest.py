@@ -163,8 +163,8 @@ def node_facts(ctx: Any) -> dict[str, Any]:
     """The node's inventory (NVML) and software versions, from its first rank."""
     import torch
 
-    from launcher.runtime.devices import usable_cpu_count
-    from launcher.runtime.nvml import read_inventory
+    from launcher.hardware.devices import usable_cpu_count
+    from launcher.hardware.nvml import read_inventory
 
     inventory = read_inventory()
     versions = {

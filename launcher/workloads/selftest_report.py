@@ -3,7 +3,7 @@
 ``summarize`` (the selftest job's hook, run once on the launching machine) takes the ranks'
 reports: their figures, each node's NVML inventory, where each rank landed, the recorder's sync
 count and the straggler phase, plus the stragglers the launcher flagged live. Each figure gets
-its limit (``launcher.hardware``: the datasheet's peak for the GPU model, the PCIe link's or the
+its limit (``launcher.hardware.limits``: the datasheet's peak for the GPU model, the PCIe link's or the
 NVLinks' speed that NVML reports for that GPU) and the fraction of it reached; one below
 ``EXPECTED`` is flagged "LOW". Pure: tests feed it recorded NVML answers and figures.
 """
@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from launcher.hardware import gpu_peaks, nvlink_limit_gbs, pcie_limit_gbs
-from launcher.runtime.nvml import GpuClocks, GpuReading, NvmlInventory, health_problems, visible_gpus
+from launcher.hardware.limits import gpu_peaks, nvlink_limit_gbs, pcie_limit_gbs
+from launcher.hardware.nvml import GpuClocks, GpuReading, NvmlInventory, health_problems, visible_gpus
 from launcher.workloads.stats import num
 
 # The fraction of its limit a figure of a healthy node reaches (public measurements: 70-80% of the

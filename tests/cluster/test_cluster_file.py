@@ -13,7 +13,7 @@ from launcher.backends.ssh import remote_agent_command, ssh_argv
 from launcher.backends.torchrun import agent_argv
 from launcher.protocol import HOST_ANSWER_TAG as JSON_TAG
 from launcher.spec.cluster import load_cluster
-from launcher.runtime.devices import NodeInventory
+from launcher.hardware.devices import NodeInventory
 from launcher.errors import SpecError
 from launcher.control.planning import plan_stage
 from launcher.stage.plan import NodeTarget

@@ -59,7 +59,7 @@ STARTED: list[str] = []  # run ids this module detached: their entries in ~/.gpu
 @pytest.fixture(autouse=True, scope="module")
 def _forget_runs():
     yield
-    from launcher.control.detached import registry
+    from launcher.control.detached_controller import registry
 
     for run_id in STARTED:
         (registry() / f"{run_id}.json").unlink(missing_ok=True)

@@ -54,7 +54,7 @@ def test_a_checkpoint_saved_on_one_gpu_loads_on_another_and_on_the_cpu(tmp_path:
     script = tmp_path / "check.py"
     script.write_text(f"""
 import torch
-from launcher.checkpoints import job_identity
+from launcher.checkpoint_store import job_identity
 from launcher.protocol import WorkerConfig
 from launcher.runtime.checkpoint import Checkpoints
 cfg = WorkerConfig(job="j", stage_dir="{tmp_path}/w", device_type="cuda", pg_backend="nccl", threads_per_worker=1, entrypoint="m:f",

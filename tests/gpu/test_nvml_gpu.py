@@ -14,8 +14,8 @@ def test_nvml_inventory_matches_torch_and_plays_back():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")
-    from launcher.runtime.devices import discover
-    from launcher.runtime.nvml import RecordedNvml, granted_gpu_problems, health_problems, read_inventory, record
+    from launcher.hardware.devices import discover
+    from launcher.hardware.nvml import RecordedNvml, granted_gpu_problems, health_problems, read_inventory, record
 
     inventory = read_inventory()
     assert inventory is not None and inventory.driver_version and inventory.cuda_driver_version

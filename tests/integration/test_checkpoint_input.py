@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.checkpoints import FileDigest, Manifest, job_identity, write_manifest
+from launcher.checkpoint_store import FileDigest, Manifest, job_identity, write_manifest
 from tests.conftest import REPO, launch
 
 SPEC = "name: ck\nentrypoint: launcher.workloads.matmul:run\nparams: {sizes: [8], iters: 1, trials: 1}\nscaling: {workers: [1]}\ncheckpoint: {dir: ckpt}\n"

@@ -218,7 +218,7 @@ def assert_loopback_only(held: Held) -> None:
 
 def test_a_stage_on_this_machine_gets_loopback_and_one_across_nodes_its_interface(tmp_path: Path) -> None:
     from launcher.protocol import StagePaths
-    from launcher.runtime.devices import NodeInventory
+    from launcher.hardware.devices import NodeInventory
     from launcher.spec.cluster import HostConfig
     from launcher.stage.plan import NodeTarget, node_env
 
@@ -239,7 +239,7 @@ def test_ranks_a_scheduler_put_on_one_node_meet_on_its_loopback(tmp_path: Path) 
     """Ray: the plan of the placement. One node: the rendezvous at 127.0.0.1 (rank 0's port) and
     gloo/NCCL on ``lo``, whatever the node's address; several nodes: rank 0's address, each node's interface."""
     from launcher.control.planning import make_plans, size_run
-    from launcher.runtime.devices import NodeInventory
+    from launcher.hardware.devices import NodeInventory
     from launcher.spec.model import load_job
     from launcher.stage.plan import NodeTarget, RankPlacement, place_ranks
 
@@ -260,7 +260,7 @@ def test_ranks_a_scheduler_put_on_one_node_meet_on_its_loopback(tmp_path: Path) 
 def test_the_store_listens_on_the_address_it_is_given_and_nowhere_else() -> None:
     import torch.distributed as dist
 
-    from launcher.runtime.store import serve_store, store_listener
+    from launcher.runtime.rendezvous_store import serve_store, store_listener
 
     server = serve_store("127.0.0.1", 0, timedelta(seconds=10))
     assert server is not None

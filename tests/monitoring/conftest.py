@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from launcher.control.metrics_endpoint import DEFAULT_SD_DIR, SD_DIR_ENV
+from launcher.monitoring.endpoint import DEFAULT_SD_DIR, SD_DIR_ENV
 from tests.ports import unshared_port
 from tests.waiting import poll
 

@@ -16,8 +16,8 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher import metric_names as me
-from launcher.control import metrics_endpoint as endpoint_module
-from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample
+from launcher.monitoring import endpoint as endpoint_module
+from launcher.monitoring.endpoint import MetricsEndpoint, RankSample, StageSample
 from launcher.procutil import process_start_ticks
 from tests.monitoring.conftest import wait_for
 

@@ -16,7 +16,7 @@ import yaml
 
 pytest.importorskip("prometheus_client")
 
-from launcher.control.metrics_endpoint import SD_PID_LABEL, MetricsEndpoint, RankSample, StageSample
+from launcher.monitoring.endpoint import SD_PID_LABEL, MetricsEndpoint, RankSample, StageSample
 from tests.conftest import REPO
 from tests.monitoring.conftest import wait_for
 

@@ -13,7 +13,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from launcher.control import metrics_endpoint
+from launcher.monitoring import endpoint as metrics_endpoint
 from launcher.procutil import kill_now
 from tests.conftest import REPO, pids_mentioning
 from tests.monitoring.conftest import wait_for

@@ -25,7 +25,7 @@ import sys
 import time
 
 
-from launcher.control.metrics_endpoint import RATE_WINDOW_S
+from launcher.monitoring.endpoint import RATE_WINDOW_S
 from tests.conftest import REPO
 from tests.monitoring.conftest import Prometheus
 from tests.monitoring.test_prometheus_scrape import dashboard_queries, repo_scrape_config

@@ -29,7 +29,7 @@ from launcher.ui.console import (
     summary_renderables,
     timer_renderables,
 )
-from launcher.runtime.devices import NodeInventory, parse_nvidia_smi_csv
+from launcher.hardware.devices import NodeInventory, parse_nvidia_smi_csv
 from launcher.spec.model import load_job
 
 REPO = Path(__file__).resolve().parents[2]

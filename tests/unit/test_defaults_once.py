@@ -20,8 +20,8 @@ CARRIERS = (
     "launcher/policies.py",
     "launcher/stage/plan.py",
     "launcher/runtime/context.py",
-    "launcher/control/metrics_endpoint.py",
-    "launcher/control/monitoring.py",
+    "launcher/monitoring/endpoint.py",
+    "launcher/monitoring/live.py",
 )
 
 # A carrier's field that holds a spec setting under a name of its own -> the spec's name for it.
@@ -55,9 +55,9 @@ HOMONYMS = {
     "launcher/protocol.py:CheckpointActivity.resumed_step": "a rank's report: the step it resumed from",
     "launcher/stage/plan.py:RankSlot.env": "what one rank alone gets (the spec's env is the job's)",
     "launcher/stage/plan.py:RankPlacement.port": "a rank's port in Ray's placement (the spec's is the metrics port)",
-    "launcher/control/metrics_endpoint.py:RankSample.work_s": "a sample of a rank's beacon's work per step",
+    "launcher/monitoring/endpoint.py:RankSample.work_s": "a sample of a rank's beacon's work per step",
     # a parameter: the endpoint's own API (tests start bare endpoints); the run passes monitoring.port
-    "launcher/control/metrics_endpoint.py:start(port)": "what a bare endpoint binds: 0, a free port",
+    "launcher/monitoring/endpoint.py:start(port)": "what a bare endpoint binds: 0, a free port",
 }
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.runtime.devices import apply_visible_devices, cpu, discover, num_gpus, parse_nvidia_smi_csv, try_all_gpus, try_gpu
+from launcher.hardware.devices import apply_visible_devices, cpu, discover, num_gpus, parse_nvidia_smi_csv, try_all_gpus, try_gpu
 
 DATA = Path(__file__).parent / "data"
 
@@ -64,7 +64,7 @@ def test_discover_without_driver_reports_cpu_only():
 def test_inventory_round_trips_through_json():
     import json
 
-    from launcher.runtime.devices import NodeInventory
+    from launcher.hardware.devices import NodeInventory
 
     inv = discover(query=recorded("nvidia_smi_h100x4.csv"), env={})
     again = NodeInventory.from_dict(json.loads(inv.to_json()))

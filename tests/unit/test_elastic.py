@@ -12,7 +12,7 @@ import pytest
 from launcher.control.api import HostPool, _plan_factory
 from launcher.control.planning import size_run
 from launcher.errors import PlanError, SpecError
-from launcher.runtime.devices import discover
+from launcher.hardware.devices import discover
 from launcher.spec.model import load_job
 from launcher.spec.cluster import HostConfig
 from launcher.stage.plan import NodeTarget

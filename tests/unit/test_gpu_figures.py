@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from launcher.runtime.nvml import GpuClocks, GpuSample, GpuSampler, RecordedNvml, summarize_samples
+from launcher.hardware.nvml import GpuClocks, GpuSample, GpuSampler, RecordedNvml, summarize_samples
 from launcher.workloads import matmul
 from launcher.workloads.selftest_report import summarize
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launcher.hardware import allreduce_bus_factor, gpu_peaks, nvlink_limit_gbs, pcie_limit_gbs
+from launcher.hardware.limits import allreduce_bus_factor, gpu_peaks, nvlink_limit_gbs, pcie_limit_gbs
 
 
 @pytest.mark.parametrize(
@@ -73,6 +73,6 @@ def test_allreduce_bus_factor(world, factor):
 
 
 def test_standard_library_only():
-    code = "import sys, launcher.hardware; print(sorted(m for m in ('torch', 'pynvml', 'pydantic', 'yaml') if m in sys.modules))"
+    code = "import sys, launcher.hardware.limits; print(sorted(m for m in ('torch', 'pynvml', 'pydantic', 'yaml') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]"

@@ -107,7 +107,7 @@ def test_inventory_without_dry_run_is_refused(capsys):
 
 
 def test_a_device_list_from_launch_devices_is_an_inventory_too(capsys, tmp_path):
-    from launcher.runtime.devices import NodeInventory, load_inventory
+    from launcher.hardware.devices import NodeInventory, load_inventory
 
     recorded = load_inventory(EIGHT_GPUS)
     listing = tmp_path / "gpu-box.json"

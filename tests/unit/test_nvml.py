@@ -14,9 +14,9 @@ from typing import Any
 import pynvml
 import pytest
 
-import launcher.runtime.devices
-from launcher.runtime.devices import discover
-from launcher.runtime.nvml import NvmlInventory, RecordedNvml, health_problems, read_inventory, record, visible_gpus
+import launcher.hardware.devices
+from launcher.hardware.devices import discover
+from launcher.hardware.nvml import NvmlInventory, RecordedNvml, health_problems, read_inventory, record, visible_gpus
 
 DATA = Path(__file__).parent / "data"
 NVML_DATA = DATA / "nvml"
@@ -269,11 +269,11 @@ def test_nvml_is_shut_down_after_a_good_read():
 
 
 def test_the_command_line_prints_json_with_or_without_nvml():
-    done = subprocess.run([sys.executable, "-m", "launcher.runtime.nvml"], capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run([sys.executable, "-m", "launcher.hardware.nvml"], capture_output=True, text=True, timeout=60, check=True)
     out = json.loads(done.stdout)
     if "gpus" not in out:  # no NVML here (this machine has no driver): why not, instead of a crash
         assert out["nvml"] is None and out["reason"]
-    recorded = json.loads(subprocess.run([sys.executable, "-m", "launcher.runtime.nvml", "--record"], capture_output=True, text=True, timeout=60, check=True).stdout)
+    recorded = json.loads(subprocess.run([sys.executable, "-m", "launcher.hardware.nvml", "--record"], capture_output=True, text=True, timeout=60, check=True).stdout)
     assert recorded["nvml_recording"] == 1 and "nvmlInit" in recorded["system"]
 
 
@@ -389,10 +389,10 @@ def test_discover_asks_nvml_first_and_applies_cuda_visible_devices():
 
 
 def test_discover_falls_back_to_nvidia_smi_without_nvml(monkeypatch):
-    monkeypatch.setattr(launcher.runtime.devices, "run_nvidia_smi", lambda: (DATA / "nvidia_smi_h100x4.csv").read_text())
+    monkeypatch.setattr(launcher.hardware.devices, "run_nvidia_smi", lambda: (DATA / "nvidia_smi_h100x4.csv").read_text())
     inv = discover(nvml=_NoLibrary(), env={})
     assert inv.source == "nvidia-smi" and inv.gpu_count == 4
-    monkeypatch.setattr(launcher.runtime.devices, "run_nvidia_smi", lambda: None)
+    monkeypatch.setattr(launcher.hardware.devices, "run_nvidia_smi", lambda: None)
     inv = discover(nvml=_NoLibrary(), env={})
     assert inv.source == "none" and inv.gpu_count == 0
 
@@ -404,6 +404,6 @@ def test_recorded_nvidia_smi_output_bypasses_nvml():
 
 
 def test_discovery_and_nvml_do_not_import_torch():
-    code = "import sys, launcher.runtime.devices, launcher.runtime.nvml, launcher.hardware; print('torch' in sys.modules)"
+    code = "import sys, launcher.hardware.devices, launcher.hardware.nvml, launcher.hardware.limits; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "False"

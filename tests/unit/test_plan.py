@@ -12,7 +12,7 @@ from launcher.control.planning import make_plans, size_run
 from launcher.stage.plan import NodeTarget, RankPlacement, place_ranks
 from launcher.errors import PlanError
 from launcher.protocol import WorkerConfig
-from launcher.runtime.devices import discover
+from launcher.hardware.devices import discover
 from launcher.spec.model import load_job
 
 DATA = Path(__file__).parent / "data"

@@ -21,8 +21,8 @@ import pytest
 
 from launcher.backends.ssh.preflight import HostReport, PreflightError, preflight_hosts
 from launcher.control import api
-from launcher.runtime.devices import discover
-from launcher.runtime.nvml import RecordedNvml
+from launcher.hardware.devices import discover
+from launcher.hardware.nvml import RecordedNvml
 from launcher.spec.cluster import ClusterConfig, HostConfig
 from launcher.spec.model import load_job
 from launcher.stage.plan import NodeTarget
@@ -146,7 +146,7 @@ def test_an_unreachable_spare_is_named_but_not_fatal_unless_needed(monkeypatch):
 
 
 def test_a_rank_checks_the_gpu_it_was_granted_before_it_starts():
-    from launcher.runtime.nvml import granted_gpu_problems
+    from launcher.hardware.nvml import granted_gpu_problems
 
     rec, index, words = BAD_GPUS["ecc"]  # NVML's GPU 3
     nvml = RecordedNvml(rec)
@@ -161,7 +161,7 @@ def H100_UUID(index: int) -> str:
 
 
 def test_a_gpu_whose_memory_nvml_cannot_report_is_not_lost():
-    from launcher.runtime.nvml import health_problems, read_inventory
+    from launcher.hardware.nvml import health_problems, read_inventory
 
     rec = copy.deepcopy(json.loads((NVML_DATA / "h200_1gpu.json").read_text()))
     rec["devices"][0]["nvmlDeviceGetMemoryInfo"] = {"nvml_error": pynvml.NVML_ERROR_NOT_SUPPORTED}  # unified memory (GB10)

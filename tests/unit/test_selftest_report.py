@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from launcher.runtime.nvml import RecordedNvml, read_inventory
+from launcher.hardware.nvml import RecordedNvml, read_inventory
 from launcher.workloads.selftest import LEVELS, Params
 from launcher.workloads.selftest_report import summarize
 

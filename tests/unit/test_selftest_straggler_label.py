@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launcher.control.selftest import PlannedStraggler
+from launcher.control.selftest_run import PlannedStraggler
 from launcher.results.store import RunResult
 from launcher.stage.watch import RunEvents
 

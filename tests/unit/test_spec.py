@@ -412,7 +412,7 @@ def test_restart_checkpoint_and_preemption_settings_are_checked_and_reach_the_pl
 
     from launcher.control.planning import plan_stage
     from launcher.policies import FailureClass
-    from launcher.runtime.devices import NodeInventory
+    from launcher.hardware.devices import NodeInventory
     from launcher.stage.plan import NodeTarget
 
     node = NodeTarget("h", "127.0.0.1", NodeInventory("h", 2), "python3")

@@ -28,7 +28,7 @@ from launcher.errors import BackendError, PlanError
 from launcher.evidence import RankEvidence
 from launcher.procutil import signal_group, stop_groups
 from launcher.protocol import ENV_PARENT_PID, NODE_LOST
-from launcher.runtime.devices import NodeInventory, discover
+from launcher.hardware.devices import NodeInventory, discover
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageHandle
 from launcher.stage.events import RanksLost
 from launcher.stage.plan import NodeTarget

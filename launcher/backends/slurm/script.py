@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from launcher.backends.slurm.commands import Partition, limit_seconds, time_limit
 from launcher.errors import EXIT_INTERRUPTED, PlanError
 from launcher.protocol import ENV_SLURM_INSIDE
-from launcher.runtime.devices import GpuInfo, NodeInventory
+from launcher.hardware.devices import GpuInfo, NodeInventory
 from launcher.stage.plan import NodeTarget, auto_world_sizes
 
 if TYPE_CHECKING:

@@ -2,10 +2,10 @@
 controller host, ask how it is, follow its output, stop it, bring its run directory home.
 
 The run loop of ``launch JOB --cluster FILE --detach`` lives on the controller host (the cluster
-file's ``controller:``, else its first host), as ``python -m launcher.control.detached run
+file's ``controller:``, else its first host), as ``python -m launcher.control.detached_controller run
 RUN_DIR`` in a session of its own, its output (the remote-run wire, ``launcher.stage.wire``) in
 ``RUN_DIR/controller.log``. Everything here is one plain ``ssh`` to that host running
-``python -m launcher.control.detached CMD RUN`` with the cluster file's own options: the answers
+``python -m launcher.control.detached_controller CMD RUN`` with the cluster file's own options: the answers
 are one JSON line, or, for ``follow``, the log's lines and then one end line. Nothing listens
 anywhere: the controller's ``/metrics`` stays on the controller's loopback.
 """
@@ -30,7 +30,7 @@ from launcher.stage.engine import JobInfo
 if TYPE_CHECKING:
     from launcher.spec.cluster import HostConfig
 
-CONTROLLER_MODULE = "launcher.control.detached"
+CONTROLLER_MODULE = "launcher.control.detached_controller"
 END_TAG = "@gpulaunch-detached "  # the follower's last line: how the controller ended (never a wire line)
 CALL_TIMEOUT_S = 60.0
 
@@ -40,7 +40,7 @@ def _remote(host: HostConfig, *args: str) -> list[str]:
 
 
 def call(host: HostConfig, *args: str, stdin: str | None = None, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-    """``python -m launcher.control.detached ARGS`` on ``host``: its one JSON answer (the last
+    """``python -m launcher.control.detached_controller ARGS`` on ``host``: its one JSON answer (the last
     line of its output). A refusal there (an unknown run) is a LauncherError with its words."""
     try:
         done = subprocess.run(_remote(host, *args), input=stdin, capture_output=True, text=True, timeout=timeout_s, check=False)

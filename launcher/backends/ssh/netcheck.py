@@ -1,6 +1,6 @@
 """The preflight's network check between the hosts of a multi-host job: each host's links to its
 neighbours in a ring, each way, measured over plain TCP on the job's network by the hosts' own
-helpers (``launcher.runtime.netcheck``; no torch there), then the verdict.
+helpers (``launcher.runtime.linkprobe``; no torch there), then the verdict.
 
 Two requests to every host over the run's connections (``link``), each sent to all hosts at once:
 ``net-listen`` opens a listener on the host's address (the cluster file's ``address``), gone by
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 from launcher.backends.ssh.command import REQUEST_TIMEOUT_S, SshError
 from launcher.backends.ssh.link import HostLink, HostLinks, _parallel, current_links
 from launcher.records import LinkMeasure, NetworkCheck
-from launcher.runtime.netcheck import LinkTiming
+from launcher.runtime.linkprobe import LinkTiming
 
 if TYPE_CHECKING:
     from launcher.spec.cluster import HostConfig

@@ -16,7 +16,7 @@ from launcher.backends.ssh.link import HostLinks, _parallel, current_links
 from launcher.backends.ssh.command import SshError
 from launcher.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, LauncherError
 from launcher.records import HostSwap, NetworkCheck, PreflightRecord
-from launcher.runtime.devices import NodeInventory
+from launcher.hardware.devices import NodeInventory
 from launcher.stage.plan import NodeTarget
 
 if TYPE_CHECKING:

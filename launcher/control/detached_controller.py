@@ -1,5 +1,5 @@
 """A detached run's controller, on the cluster's controller host: ``python -m
-launcher.control.detached CMD``, run there over one ssh by ``launch`` (``launcher.backends.ssh.detached``).
+launcher.control.detached_controller CMD``, run there over one ssh by ``launch`` (``launcher.backends.ssh.detached``).
 
 - ``start`` (a JSON payload on stdin: the effective spec, the cluster file, where the run
   directory goes): makes ``OUT/<job>/<run-id>`` with the spec, the cluster file and a record in
@@ -92,7 +92,7 @@ def _spawn(folder: Path, settings: dict[str, Any], *, resume: bool) -> dict[str,
     cwd = settings.get("cwd")
     with open(folder / LOG_FILE, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher.control.detached", "run", str(folder), *(("--resume",) if resume else ())],
+            [sys.executable, "-m", "launcher.control.detached_controller", "run", str(folder), *(("--resume",) if resume else ())],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             cwd=cwd if isinstance(cwd, str) and os.path.isdir(cwd) else None, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
@@ -257,7 +257,7 @@ def _answer(data: dict[str, Any]) -> int:
 def main(argv: Sequence[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m launcher.control.detached")
+    p = argparse.ArgumentParser(prog="python -m launcher.control.detached_controller")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("start")
     for name in ("status", "stop", "resume", "follow"):

@@ -9,8 +9,8 @@ permission answers NVMLError, and the reading says "unknown" (None, 0, (), "?") 
 holds exactly the calls ``read_inventory`` makes and the answers it got; ``RecordedNvml`` plays
 them back, on machines without a GPU (tests) or from a bug report::
 
-    python -m launcher.runtime.nvml            # the inventory as JSON
-    python -m launcher.runtime.nvml --record   # every raw answer, for RecordedNvml
+    python -m launcher.hardware.nvml            # the inventory as JSON
+    python -m launcher.hardware.nvml --record   # every raw answer, for RecordedNvml
 
 Recording format: ``{"nvml_recording": 1, "system": {function: answer}, "devices": [{function:
 answer or {"<extra args>": answer}}]}``. A device call's answer sits under its device (the handle
@@ -808,7 +808,7 @@ class _Recorder:
 
 def record(nvml: Any | None = None) -> dict[str, Any]:
     """Every raw NVML answer read_inventory asks for, JSON-able, for tests and bug reports (run on
-    a GPU machine: `python -m launcher.runtime.nvml --record > h100.json`)."""
+    a GPU machine: `python -m launcher.hardware.nvml --record > h100.json`)."""
     nvml = _pynvml() if nvml is None else nvml
     if nvml is None:  # recorded as the library being absent, which is what it amounts to
         return {"nvml_recording": RECORDING_FORMAT, "system": {"nvmlInit": {"nvml_error": NVML_ERROR_LIBRARY_NOT_FOUND}}, "devices": []}

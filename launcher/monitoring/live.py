@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample, default_sd_dir
+from launcher.monitoring.endpoint import MetricsEndpoint, RankSample, StageSample, default_sd_dir
 from launcher.stage.watch import RankLive, RunEvents, StageProgress
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import torch
 
-    from launcher.runtime.nvml import NvmlInventory  # NVML's module is imported where a GPU may be read
+    from launcher.hardware.nvml import NvmlInventory  # NVML's module is imported where a GPU may be read
 
 NVIDIA_SMI_FIELDS = "index,name,memory.total,memory.used,utilization.gpu,uuid"
 NVIDIA_SMI_ARGS = ("--query-gpu=" + NVIDIA_SMI_FIELDS, "--format=csv,noheader,nounits")
@@ -38,7 +38,7 @@ class GpuInfo:
     utilization_pct: int | None
     uuid: str
     memory_free_mib: int | None = None  # NVML only
-    health: tuple[str, ...] = ()  # NVML's problems with this GPU (``launcher.runtime.nvml.health_problems``); empty: none found
+    health: tuple[str, ...] = ()  # NVML's problems with this GPU (``launcher.hardware.nvml.health_problems``); empty: none found
 
     def unfit(self, min_free_fraction: float = 0.0) -> list[str]:
         """Why a job should not run on this GPU: its health problems, and too little free memory."""
@@ -183,7 +183,7 @@ def nvidia_device_nodes() -> bool:
 
 def gpus_from_nvml(inventory: NvmlInventory) -> list[GpuInfo]:
     """NVML's readings as this module's GpuInfo (physical numbering: CUDA_VISIBLE_DEVICES applies after)."""
-    from launcher.runtime.nvml import health_problems
+    from launcher.hardware.nvml import health_problems
 
     return [
         GpuInfo(
@@ -208,7 +208,7 @@ def _physical_gpus(query: Callable[[], str | None] | None, nvml: Any | None, sou
         if nvml is None and not nvidia_device_nodes():  # a machine without NVIDIA's driver: no NVML to load
             notes.append("no NVIDIA driver found (no /dev/nvidiactl, /proc/driver/nvidia or /dev/dxg)")
             return None, "none"
-        from launcher.runtime.nvml import read_inventory
+        from launcher.hardware.nvml import read_inventory
 
         inventory = read_inventory(nvml)
         if inventory is not None:
@@ -269,11 +269,11 @@ class InventoryFileError(ValueError):
 def load_inventory(path: str | Path, *, visible_override: str | None = None) -> NodeInventory:
     """A node recorded elsewhere, to plan for it from here (``launch JOB --dry-run --inventory
     FILE``): what ``launch devices --json`` writes (hostname, CPUs, GPUs), or an NVML recording
-    (``python -m launcher.runtime.nvml --record``), which names no host and counts no CPUs: the
+    (``python -m launcher.hardware.nvml --record``), which names no host and counts no CPUs: the
     file's stem and this machine's CPU count stand in for them, and the notes say so."""
-    from launcher.runtime.nvml import RecordedNvml
+    from launcher.hardware.nvml import RecordedNvml
 
-    expected = "expected what `launch devices --json` or `python -m launcher.runtime.nvml --record` writes"
+    expected = "expected what `launch devices --json` or `python -m launcher.hardware.nvml --record` writes"
     where = Path(path)
     try:
         data = json.loads(where.read_text())
@@ -329,5 +329,5 @@ def try_all_gpus() -> list["torch.device"]:
     return [gpu(i) for i in range(num_gpus())] or [cpu()]
 
 
-if __name__ == "__main__":  # used by remote preflight: `python -m launcher.runtime.devices`
+if __name__ == "__main__":  # used by remote preflight: `python -m launcher.hardware.devices`
     print(discover().to_json())
