@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import signal
-import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 
@@ -23,21 +22,19 @@ import yaml
 
 from launcher import backends
 from launcher.control import cpuclock
+from launcher.control.nodes import (
+    HostPool, assumed_nodes, cluster_path, preflight_lines, preflight_nodes, recorded_nodes, rendezvous_port, resolve_nodes,
+)  # fmt: skip
 from launcher.control.planning import RunSizing, check_node_split, checkpoint_root, make_plans, plan_stage, size_run
+from launcher.control.run_end import finish_run, masked_spec
 from launcher.control.resume import (
     LAUNCH_FILE, LaunchRecord, check_checkpoint_dirs, check_unchanged, finished_stages, nothing_to_resume, record_launch, set_aside,
 )  # fmt: skip
 from launcher.control.runloop import StopRequest, run_stage
-from launcher.errors import EXIT_BAD_INPUT, LauncherError, PlanError
-from launcher.masking import mask_env
-from launcher.procutil import free_port, handling_stop_signals
-from launcher.records import Failure, FailureReason, PreflightRecord, SkippedWorld, StageOutcome, new_run_id
-from launcher.results.aggregate import aggregate
-from launcher.results.hooks import make_plots, run_summarize, workload_module
-from launcher.results.series import default_summary
-from launcher.results.run_record import RunRecord
-from launcher.results.store import RunResult, load_result, write_result
-from launcher.hardware.devices import NodeInventory, discover
+from launcher.errors import EXIT_BAD_INPUT, LauncherError
+from launcher.procutil import handling_stop_signals
+from launcher.records import Failure, FailureReason, PreflightRecord, StageOutcome, new_run_id
+from launcher.results.store import RunResult
 from launcher.spec.model import LoadedJob, load_job
 from launcher.stage.engine import LaunchRequest, StageEngine, Submission, Submitter
 from launcher.protocol import StagePaths
@@ -57,101 +54,6 @@ class DryRun:
     notes: tuple[str, ...] = ()  # what the plan decided that the spec did not say outright
 
 
-def local_node(visible_override: str | None = None) -> NodeTarget:
-    inventory = discover(visible_override=visible_override)
-    return NodeTarget(name=socket.gethostname(), address="127.0.0.1", inventory=inventory, python=sys.executable)
-
-
-def cluster_path(job: LoadedJob, cluster: str | None) -> Path | None:
-    """The cluster file: ``--cluster`` as given, or the spec's ``cluster`` relative to the spec."""
-    if cluster:
-        return Path(cluster)
-    return None if job.spec.cluster is None else job.base_dir / job.spec.cluster
-
-
-def resolve_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
-    """The nodes to plan on, for ``validate`` and ``--dry-run``: no link check, and this
-    machine's GPU health is not judged (``preflight_nodes`` does both for a run)."""
-    return preflight_nodes(job, cluster, for_run=False)[0]
-
-
-def preflight_nodes(job: LoadedJob, cluster: str | None, *, for_run: bool = True) -> tuple[list[NodeTarget], PreflightRecord | None]:
-    """The hosts a run starts on, checked: this machine, its GPUs refused (exit 2) when one the
-    job would use is unhealthy; or every host of a cluster file, its GPUs and the links between
-    them, a failed host replaced by a spare (``launcher.backends.preflight_hosts``). A
-    ``CUDA_VISIBLE_DEVICES`` in the job's env is what its ranks will see, so it is what counts."""
-    path = cluster_path(job, cluster)
-    if path is None:
-        node = local_node(job.spec.env.get("CUDA_VISIBLE_DEVICES"))
-        if for_run:
-            check_local_gpus(job, node)
-        return [node], None
-    check_node_split(job)  # decided by the spec alone: no host is contacted for it
-    from launcher.spec.cluster import load_cluster
-
-    hosts = load_cluster(path)
-    check_cluster_size(job, len(hosts.hosts), path)
-    outcome = backends.preflight_hosts(hosts, job, network=for_run)
-    return outcome.targets, outcome.record
-
-
-def check_cluster_size(job: LoadedJob, hosts: int, path: Path) -> None:
-    """More hosts asked for (``nodes``, or an elastic world's ``min``) than the cluster file lists:
-    refused before any host is contacted."""
-    res = job.spec.resources
-    if res.fewest_nodes > hosts:
-        asked = f"at least {res.fewest_nodes} (min)" if res.elastic else str(res.nodes)
-        raise PlanError(f"{job.path}: resources.nodes: {asked} node(s) requested but {path} lists {hosts} host(s)")
-
-
-def check_local_gpus(job: LoadedJob, node: NodeTarget) -> None:
-    """This machine's GPUs the job would use, as NVML sees them: every problem, or nothing."""
-    settings, wanted = job.spec.preflight, job.spec.resources.gpus_used()
-    if not settings.gpu_health or wanted == 0:
-        return
-    problems = node.inventory.unfit_gpus(wanted, min_free_fraction=settings.min_free_gpu_memory)
-    if problems:
-        hint = "preflight.gpu_health: false (or CUDA_VISIBLE_DEVICES without that GPU) to run anyway"
-        raise LauncherError("\n".join([*problems, f"preflight: nothing was started; {hint}"]), exit_code=EXIT_BAD_INPUT)
-
-
-@dataclass
-class HostPool:
-    """The hosts a run's stages use (``resources.nodes`` of them, in the cluster file's order) and
-    the spares after them: a host lost in an attempt is replaced by the next spare for the restart
-    (and for every later stage)."""
-
-    active: list[NodeTarget]
-    spares: list[NodeTarget]
-    fewest: int = 0  # an elastic world goes on without a lost host while this many are left (0: not elastic)
-
-    @classmethod
-    def of(cls, job: LoadedJob, nodes: Sequence[NodeTarget]) -> "HostPool":
-        wanted, res = job.spec.resources.nodes, job.spec.resources
-        fewest = res.fewest_nodes if res.elastic else 0
-        return cls(list(nodes[:wanted]), list(nodes[wanted:]), fewest) if len(nodes) > wanted else cls(list(nodes), [], fewest)
-
-    def replace_lost(self, hosts: set[str]) -> str:
-        """Put a spare where each lost host was (its node rank: the plan keeps its shape), or, in an
-        elastic world with no spare left, go on without it while ``fewest`` hosts remain; what
-        happened, in one line."""
-        said = []
-        for name in sorted(hosts):
-            index = next((i for i, n in enumerate(self.active) if n.name == name), None)
-            if index is None:
-                continue
-            if self.spares:
-                spare = self.spares.pop(0)
-                self.active[index] = spare
-                said.append(f"{name} lost: its ranks go to the spare host {spare.name}")
-            elif self.fewest and len(self.active) - 1 >= self.fewest:
-                del self.active[index]
-                said.append(f"{name} lost and no spare host is left: the job goes on with {len(self.active)} host(s) (elastic, at least {self.fewest})")
-            else:
-                said.append(f"{name} lost and no spare host is left: the restart tries it again")
-        return "; ".join(said)
-
-
 def resolve(job: LoadedJob, backend: str | None, cluster: str | None, address: str | None = None) -> Runner:
     """What runs the job (an engine here, or a scheduler's submitter: the registry's choice), once
     it has refused what it cannot run (nothing started). ``--address`` means the cluster there, for
@@ -159,20 +61,6 @@ def resolve(job: LoadedJob, backend: str | None, cluster: str | None, address: s
     runner = backends.choose(job, backend=backend, address=address)
     runner.check_job(job, cluster)
     return runner
-
-
-def masked_spec(job: LoadedJob) -> dict[str, Any]:
-    """The effective spec as stored in the run directory and result.json: secrets masked."""
-    effective = job.spec.model_dump(mode="json")
-    effective["env"] = mask_env(effective["env"])
-    return effective
-
-
-def rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
-    first = nodes[0]
-    if first.ssh is None:
-        return free_port("127.0.0.1")
-    return backends.host_free_port(first)
 
 
 def check_job(job: LoadedJob, *, backend: str | None = None, cluster: str | None = None) -> str:
@@ -258,55 +146,6 @@ def dry_run(
     return DryRun(job, tuple(plans), tuple(runner.launch_request(plan) for plan in plans), (*sizing_lines(sizing), *spares))
 
 
-def recorded_nodes(job: LoadedJob, cluster: str | None, inventory: str | Path) -> list[NodeTarget]:
-    """The nodes a dry run plans on from a recorded inventory: this machine's place taken by the
-    recorded node, or every host of the cluster file given the recorded node's GPUs and CPUs."""
-    from launcher.hardware.devices import InventoryFileError, load_inventory
-
-    try:
-        recorded = load_inventory(inventory, visible_override=job.spec.env.get("CUDA_VISIBLE_DEVICES"))
-    except InventoryFileError as exc:
-        raise LauncherError(str(exc), exit_code=EXIT_BAD_INPUT) from None
-    if cluster_path(job, cluster) is None:
-        return [NodeTarget(name=recorded.hostname, address="127.0.0.1", inventory=recorded, python=sys.executable)]
-    return _cluster_hosts_as(job, cluster, recorded)
-
-
-def assumed_nodes(job: LoadedJob, cluster: str | None) -> list[NodeTarget]:
-    """A cluster file's hosts as written, for a dry run that logs in to none: the GPUs the spec
-    names (``gpus_per_node: N``; with ``auto``, none known: CPU workers, or one GPU where the spec
-    demands ``device: cuda``) and this machine's CPU count stand in for what a login would tell."""
-    from launcher.hardware.devices import GpuInfo, usable_cpu_count
-
-    res = job.spec.resources
-    counted = isinstance(res.gpus_per_node, int)
-    gpus = 0 if res.device == "cpu" else res.gpus_per_node if isinstance(res.gpus_per_node, int) else (1 if res.device == "cuda" else 0)
-    what = f"{gpus} GPU(s) per host as resources.gpus_per_node says" if counted else (
-        f"{gpus} GPU per host" if gpus else "no GPU (resources.cpu_workers ranks per host)")  # fmt: skip
-    cpus = usable_cpu_count()
-    note = (
-        f"hosts not logged in to: planned as written with {what} and this machine's {cpus} CPU(s) assumed, "
-        f"the rendezvous port picked at the start; --preflight logs in and checks them, --inventory FILE plans them as a recorded node"
-    )
-    placeholder = tuple(GpuInfo(i, i, "GPU (assumed)", 0, None, None, f"assumed-{i}") for i in range(gpus))
-    return _cluster_hosts_as(job, cluster, NodeInventory("", cpus, placeholder, "assumed", None, (note,)))
-
-
-def _cluster_hosts_as(job: LoadedJob, cluster: str | None, inventory: NodeInventory) -> list[NodeTarget]:
-    """Every host of the cluster file, each given ``inventory`` (under its own name): no login."""
-    from launcher.spec.cluster import load_cluster
-
-    path = cluster_path(job, cluster)
-    assert path is not None
-    check_node_split(job)
-    hosts = load_cluster(path).hosts
-    check_cluster_size(job, len(hosts), path)
-    return [
-        NodeTarget(name=h.name, address=h.address, inventory=replace(inventory, hostname=h.name), python=h.python, ifname=h.ifname, ssh=h)
-        for h in hosts
-    ]
-
-
 def _dry_run_on(job: LoadedJob, runner: Runner, nodes: list[NodeTarget], run_dir: Path) -> DryRun:
     """A dry run on nodes given (recorded), not discovered: the same plans and commands; a port
     stands in for the rendezvous port a run would pick."""
@@ -368,7 +207,7 @@ def run_job(
     if isinstance(runner, Submitter):
         return _submit(loaded, runner, out=Path(out), events=events, stop=stop, metrics=metrics, detach=detach)
     if detach:
-        raise LauncherError(f"--detach: the {runner.name} backend runs the job from here; only slurm submits it", exit_code=EXIT_BAD_INPUT)
+        raise LauncherError(f"--detach: the {runner.name} backend runs the job from here; a run detaches with --cluster FILE (SSH), --address URL (Ray) or on the slurm backend", exit_code=EXIT_BAD_INPUT)
     nodes: list[NodeTarget] | None = None
     sizing: RunSizing | None = None
     pool: HostPool | None = None
@@ -408,20 +247,6 @@ def run_job(
         return finish_run(
             loaded, runner.name, run_id, run_dir, outcomes, started, watched, cut_short=cut_short, preflight=preflight, skipped=sizing.skipped
         )
-
-
-def preflight_lines(record: PreflightRecord | None) -> list[str]:
-    """What the console says of the preflight: each host left out (and its spare), the links."""
-    if record is None:
-        return []
-    lines = [swap.describe() for swap in record.left_out]
-    net = record.network
-    if net is not None and net.median_gbit_s is not None:
-        slowest = min((link for link in net.links if link.gbit_s is not None), key=lambda link: link.gbit_s or 0.0)
-        hosts = len({link.src for link in net.links} | {link.dst for link in net.links})
-        lines.append(f"network: {len(net.links)} links between {hosts} hosts in {net.seconds:.1f} s, "
-                     f"median {net.median_gbit_s:.3g} Gbit/s, slowest {slowest.describe()}")
-    return lines
 
 
 def resume_run(
@@ -550,75 +375,3 @@ def _plan_factory(job: LoadedJob, pool: HostPool, size: int, sizing: RunSizing, 
     return make
 
 
-def finish_run(
-    loaded: LoadedJob,
-    backend_name: str,
-    run_id: str,
-    run_dir: Path,
-    outcomes: list[StageOutcome],
-    started: float,
-    events: RunEvents,
-    *,
-    cut_short: Failure | None = None,
-    preflight: PreflightRecord | None = None,
-    skipped: Sequence[SkippedWorld] = (),
-) -> RunResult:
-    """Aggregate, summarise, plot, write result.json and tell the watcher. ``cut_short``: the
-    failure when a stage could not start, or a stop came between stages. The record is built
-    once and every addition makes a new one; the document is made from it at the end."""
-    t_agg = time.time()
-    record = aggregate(
-        outcomes, job=loaded.spec.name, run_id=run_id, backend=backend_name, spec=masked_spec(loaded),
-        spec_hash=loaded.spec.fingerprint(), params=loaded.params, started_at=started, cut_short=cut_short,
-        previous=load_result(run_dir),  # a run resumed: its record so far, every attempt of it kept
-    )  # fmt: skip
-    module, summary = _summary(loaded, record)
-    record = replace(record, run_dir=str(run_dir), summary=summary, preflight=preflight, skipped_worlds=tuple(skipped))
-    document = record.to_dict()  # what the job's plot hook and TensorBoard read, as they always have
-    plots, plot_error = make_plots(document, run_dir, module)
-    tensorboard, tensorboard_error = _write_tensorboard(document, run_dir)
-    record = replace(
-        record, plots=plots, plot_error=plot_error, tensorboard=tensorboard, tensorboard_error=tensorboard_error,
-        phases={**record.phases, "aggregate": round(time.time() - t_agg, 4)},
-    )  # fmt: skip
-    record = replace(record, launcher_cpu=cpuclock.record())  # up to here: the launcher's own CPU by phase
-    write_result(run_dir, record)
-    run = RunResult.of(record, run_dir)
-    events.finished(run)
-    return run
-
-
-def _summary(loaded: LoadedJob, record: RunRecord) -> tuple[Any, dict[str, Any]]:
-    """The job's module (for its hooks) and the run's summary: the aggregate's figures, the job's
-    ``summarize`` output, or for a job without one, every series its ranks logged."""
-    summary = dict(record.summary)
-    module, error = _workload_module(loaded)
-    if error:
-        summary["error"] = error
-    document = record.to_dict()
-    summary.update(run_summarize(document, module, loaded.params))
-    if getattr(module, "summarize", None) is None:  # no hooks: every logged series, per rank
-        summary.update(default_summary(document))
-    return module, summary
-
-
-def _write_tensorboard(result: Mapping[str, Any], run_dir: Path) -> tuple[str | None, str | None]:
-    """Every ``ctx.metrics`` series as TensorBoard scalars, once, at the end (``tensorboard
-    --logdir runs/``): their directory relative to the run's, or what went wrong; nothing when the
-    optional ``tensorboard`` package is not installed."""
-    from launcher.results.tensorboard import write_scalars
-
-    try:
-        written = write_scalars(result, run_dir)
-    except Exception as exc:  # noqa: BLE001 - an optional extra must never cost the run its results
-        return None, f"{type(exc).__name__}: {exc}"
-    return ("tensorboard" if written else None), None
-
-
-def _workload_module(loaded: LoadedJob) -> tuple[Any, str | None]:
-    """The job's module for its hooks (found on the spec's PYTHONPATH too), or what its own import
-    raised: noted in the summary, and the run's results stay."""
-    try:
-        return workload_module(loaded.spec.entrypoint, loaded.spec.env.get("PYTHONPATH", "")), None
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the workload's own import
-        return None, f"importing the workload: {type(exc).__name__}: {exc}"

@@ -18,7 +18,9 @@ from typing import Any, Callable
 import yaml
 
 from launcher.backends.ssh import detached as remote
-from launcher.control.api import check_cluster_size, cluster_path, masked_spec, resolve
+from launcher.control.api import resolve
+from launcher.control.nodes import check_cluster_size, cluster_path
+from launcher.control.run_end import masked_spec
 from launcher.control.planning import check_node_split
 from launcher.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, LauncherError
 from launcher.records import BackendName, RunStatus, new_run_id

@@ -173,7 +173,9 @@ class NetnsCluster:
                 found[ns] = pids
         return found
 
-    def wait_clean(self, timeout_s: float = 15.0) -> dict[str, set[int]]:
+    def wait_clean(self, timeout_s: float = 60.0) -> dict[str, set[int]]:
+        """What is left in the hosts' namespaces once it is empty, or after ``timeout_s``: a hang
+        guard far above what a loaded machine needs to see processes that were stopped go."""
         return wait_empty(self.leftovers, timeout_s)
 
     def describe(self, pids: dict[str, set[int]]) -> str:

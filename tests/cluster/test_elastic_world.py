@@ -37,5 +37,5 @@ def test_a_lost_host_without_a_spare_leaves_the_survivor_at_half_the_world(netns
     trained = result["ranks"][0]["result"]
     # resumed by epochs (world size 2's step 8 is epoch 2), then trained to the end at world size 1
     assert trained["start_epoch"] >= 2 and trained["steps"] == 6 * trained["batches_per_epoch"], trained
-    left = netns_cluster.wait_clean(10)
+    left = netns_cluster.wait_clean()
     assert not left, netns_cluster.describe(left)

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -19,14 +18,25 @@ pytestmark = pytest.mark.slow
 
 PREFLIGHT_SNIPPET = textwrap.dedent(
     """\
-    import json, sys, time
+    import importlib, json, sys, threading, time
     from launcher.backends.ssh import preflight, remote_free_port
+    checks = importlib.import_module("launcher.backends.ssh.preflight")
     from launcher.spec.cluster import load_cluster
+    # every host's check waits here until all 3 are under way: checked one after another, the
+    # first would wait alone and the barrier break (BrokenBarrierError: a failed preflight)
+    together = threading.Barrier(3, timeout=60)
+    passed = []
+    real_check_host = checks.check_host
+    def check_host(*args, **kwargs):
+        together.wait()
+        passed.append(threading.get_ident())
+        return real_check_host(*args, **kwargs)
+    checks.check_host = check_host
     t0 = time.monotonic()
     nodes = preflight(load_cluster(sys.argv[1]))
     t1 = time.monotonic()
     port = remote_free_port(nodes[0])
-    print(json.dumps({"seconds": t1 - t0, "port_seconds": time.monotonic() - t1, "port": port,
+    print(json.dumps({"seconds": t1 - t0, "port_seconds": time.monotonic() - t1, "port": port, "threads": len(set(passed)),
                       "nodes": [[n.name, n.address, n.ifname, n.inventory.cpu_count, n.inventory.gpu_count] for n in nodes]}))
     """
 )
@@ -35,14 +45,14 @@ PREFLIGHT_SNIPPET = textwrap.dedent(
 def test_preflight_checks_every_host_in_parallel(netns_cluster: NetnsCluster, tmp_path):
     cfg = netns_cluster.cluster_yaml(tmp_path / "cluster.yaml")
     done = subprocess.run(
-        netns_cluster.ns_cmd(sys.executable, "-c", PREFLIGHT_SNIPPET, str(cfg)), cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+        netns_cluster.ns_cmd(sys.executable, "-c", PREFLIGHT_SNIPPET, str(cfg)), cwd=REPO, capture_output=True, text=True, timeout=300
+    )  # 300 s: a hang guard
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert [n[:3] for n in data["nodes"]] == [["h1", "10.231.7.11", "eth0"], ["h2", "10.231.7.12", "eth0"], ["h3", "10.231.7.13", "eth0"]]
     assert all(n[3] >= 1 and n[4] == 0 for n in data["nodes"])  # the remote discovery ran there
     assert 1024 <= data["port"] <= 65535
-    assert data["seconds"] < 5, data
+    assert data["threads"] == 3, data  # in parallel: the 3 checks were under way at once, each in its own thread
     print(f"preflight of 3 hosts: {data['seconds']:.2f}s; rendezvous port pick: {data['port_seconds']:.2f}s")  # noqa: T201
 
 
@@ -70,19 +80,17 @@ def test_every_failing_host_is_named_and_nothing_starts(netns_cluster: NetnsClus
             {"name": "nopython", "address": h1.address, "python": "/nonexistent/bin/python3"},
         ],
     )
-    t0 = time.monotonic()
     done = netns_cluster.launch(
         "jobs/matmul_scaling.yaml", "--cluster", str(cfg), "--out", str(tmp_path / "runs"), "--set", "resources.nodes=5", "--set", "scaling.workers=[5]",
     )
-    elapsed = time.monotonic() - t0
     assert done.returncode != 0
     err = done.stderr
     assert "h2: ifname: network interface 'ib0' not found" in err, err
     assert "h3: torch 1.0.0 does not match torch" in err and local_torch_version() in err, err
-    assert "ghost: unreachable over SSH" in err, err
+    # ssh's own connect timeout (connect_timeout_s) ended the ghost's check, not the preflight's timeout_s
+    assert "ghost: unreachable over SSH (" in err and "10.231.7.99:22): ssh: connect to host 10.231.7.99 port 22: Connection timed out" in err, err
     assert "nopython: python: /nonexistent/bin/python3 not found" in err, err
     assert not [ln for ln in err.splitlines() if ln.startswith("h1")], err  # the healthy host is not blamed
     assert "nothing was started" in err
     assert not (tmp_path / "runs").exists()
-    assert not netns_cluster.leftovers()
-    assert elapsed < 15, f"preflight with an unreachable host took {elapsed:.1f}s"
+    assert not netns_cluster.wait_clean()  # a hang guard: whatever the preflight started is ending

@@ -89,5 +89,5 @@ def test_a_lost_host_is_replaced_by_the_spare_and_the_run_resumes_from_the_copy_
     here = run_dir / "world2" / "checkpoints"
     assert sorted(p.name for p in here.iterdir()) == ["step-000000024"], list(here.iterdir())
     assert json.loads((here / "step-000000024" / "manifest.json").read_text())["step"] == 24
-    left = netns_cluster.wait_clean(10)
+    left = netns_cluster.wait_clean()
     assert not left, netns_cluster.describe(left)

@@ -12,7 +12,7 @@ import sys
 import time
 
 from launcher.backends.torchrun import TorchrunEngine
-from launcher.control.api import local_node
+from launcher.control.nodes import local_node
 from launcher.control.planning import plan_stage
 from launcher.protocol import AGENT_FAILURE_TAG as FAILURE_TAG
 from launcher.spec.model import load_job

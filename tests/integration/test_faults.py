@@ -21,12 +21,26 @@ from tests.integration.faultkit import Launched, describe, record, result_of, wa
 
 HOST = socket.gethostname()
 SECRET = "hf_s3cr3t-value-1234"
-FAULT_TO_EXIT_BOUND_S = 30  # "within a few seconds", with a wide margin for a loaded 2-core box
+# Fail fast is a path, not a figure: the peers block in a gloo all-reduce (timeout 3600 s) and
+# timeouts.run_s is 600 s, so a launcher that did not stop them on the first failure would end in
+# "timeout" (or Launched.wait's 180 s hang guard would fire), never in "failed" with the peers
+# stopped as collateral. The seconds it took are recorded (record), not asserted.
 
 
 def _no_orphans(out: Path) -> None:
-    left, _ = wait_no_pids(str(out), 5)
+    # The launcher exited after stopping them: this waits only for the kernel to finish the
+    # kills. 60 s is a hang guard (a leaked rank sleeps for an hour), not a speed figure.
+    left, _ = wait_no_pids(str(out), 60)
     assert left == [], f"processes of the run remain:\n{describe(left)}"
+
+
+def _assert_failed_fast(result: dict) -> None:
+    """The last stage ended on rank 1's failure: its peer, blocked in the all-reduce, was stopped."""
+    failure = result["failure"]
+    assert result["status"] == "failed" and failure["reason"] == "failed", failure  # not "timeout" (run_s)
+    assert failure["collateral_ranks"] == [0], failure
+    peer = next(r for r in result["ranks"] if r["world_size"] == result["stages"][-1]["world_size"] and r["rank"] == 0)
+    assert peer["status"] == "stopped", peer  # stopped by the launcher, not failed by a gloo timeout
 
 
 @pytest.fixture
@@ -85,10 +99,10 @@ def test_rank_that_raises_is_the_root_cause_and_stops_the_rest_fast(tmp_path, la
     assert ok and ok[0]["status"] == "ok" and ok[0]["result"] == {"rank": 0, "fault": "raise"}
     assert "ValueError" in (run_dir / "world2" / "logs" / "rank1.log").read_text()
     assert (run_dir / "world2" / "logs" / "rank0.log").is_file()
-    # fail fast: well before any gloo (3600 s) or rendezvous timeout
+    # fail fast: the first failure ended the stage, not the gloo (3600 s) or run_s (600 s) timeouts
     fault_at = next(r for r in result["ranks"] if r["world_size"] == 2 and r["rank"] == 1)["error"]["time"]
     record("raise: first failure -> launcher exit", t_exit - fault_at)
-    assert t_exit - fault_at < FAULT_TO_EXIT_BOUND_S
+    _assert_failed_fast(result)
     # secrets: masked on the console, in logs (ours and torchrun's raw copies), reports, result.json
     assert SECRET not in out
     for path in run_dir.rglob("*"):
@@ -119,7 +133,7 @@ def test_rank_that_calls_os_exit_is_reported_with_its_exit_code(tmp_path, launch
     assert "FAILED: rank 1 on" in run.output() and "exited with code 3" in run.output()
     exited_at = float(re.search(r"exiting at ([\d.]+)", (run_dir / "world2/logs/rank1.log").read_text())[1])
     record("os._exit: rank exit -> launcher exit", t_exit - exited_at)
-    assert t_exit - exited_at < FAULT_TO_EXIT_BOUND_S
+    _assert_failed_fast(result_of(run_dir))
     _no_orphans(tmp_path / "runs")
 
 
@@ -141,7 +155,7 @@ def test_rank_killed_by_sigkill_is_reported_by_signal_name(tmp_path, launched, s
     assert root["type"] in ("KilledBySignal", "OutOfMemoryKill") and "killed by SIGKILL" in root["message"]
     assert failure["collateral_ranks"] == [0]
     assert "killed by SIGKILL" in run.output()
-    assert time.time() - killed_at < FAULT_TO_EXIT_BOUND_S
+    _assert_failed_fast(result_of(run.run_dir()))
     _no_orphans(tmp_path / "runs")
 
 

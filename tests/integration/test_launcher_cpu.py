@@ -21,8 +21,9 @@ def test_a_run_records_the_launchers_own_cpu_by_phase(tmp_path):
     by_phase = cpu["by_phase"]
     assert set(BEFORE_SPAWN) | set(AFTER_EXIT) | {"running"} == set(by_phase)
     assert all(isinstance(v, float) and v >= 0 for v in by_phase.values())
-    # the interpreter and the imports alone are tens of milliseconds; nothing is a whole second here
-    assert 0.01 < cpu["before_spawn"] < 5 and 0 <= cpu["after_exit"] < 2
+    # the interpreter and the imports alone are tens of milliseconds: counted (the budget on these
+    # figures is benchmarks/launcher_cpu.py's, never a bound in a test)
+    assert cpu["before_spawn"] > 0.01 and cpu["after_exit"] >= 0
     assert abs(cpu["before_spawn"] - sum(by_phase[p] for p in BEFORE_SPAWN)) < 0.01
     assert abs(cpu["after_exit"] - sum(by_phase[p] for p in AFTER_EXIT)) < 0.01
     assert cpu["total"] >= cpu["before_spawn"] + cpu["after_exit"]

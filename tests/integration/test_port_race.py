@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-import launcher.control.api
+import launcher.control.nodes
 from launcher import run_job
 from launcher.procutil import free_port
 from tests.conftest import REPO, pids_mentioning
@@ -46,7 +46,7 @@ def test_a_port_taken_before_the_agent_binds_it_is_replaced(tmp_path, taken_port
         handed_out.append(taken_port if not handed_out else free_port(host))
         return handed_out[-1]
 
-    monkeypatch.setattr(launcher.control.api, "free_port", first_taken_then_free)
+    monkeypatch.setattr(launcher.control.nodes, "free_port", first_taken_then_free)
     monkeypatch.syspath_prepend(str(REPO))
     monkeypatch.setenv("PYTHONPATH", pythonpath())
     result = run_job(JOB, out=tmp_path / "runs", events=_quiet_ui())
@@ -61,7 +61,7 @@ def test_a_port_taken_before_the_agent_binds_it_is_replaced(tmp_path, taken_port
 
 
 def test_a_port_that_stays_taken_fails_with_a_clear_reason(tmp_path, taken_port, monkeypatch):
-    monkeypatch.setattr(launcher.control.api, "free_port", lambda host="127.0.0.1": taken_port)
+    monkeypatch.setattr(launcher.control.nodes, "free_port", lambda host="127.0.0.1": taken_port)
     monkeypatch.setenv("PYTHONPATH", pythonpath())
     result = run_job(JOB, out=tmp_path / "runs", events=_quiet_ui())
     assert result.status == "failed"

@@ -2,7 +2,7 @@
 
 SIGINT/SIGTERM: exit 130, the run marked interrupted, logs kept, nothing left in the process
 table. SIGKILL (no handler can run): the agent and every worker still disappear on their own,
-through parent-death signals, within a few seconds."""
+through parent-death signals. How long each took is recorded (``record``), not asserted."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 from tests.conftest import pids_mentioning
 from tests.integration.faultkit import Launched, describe, record, result_of, wait_no_pids, write_spec
 
-ORPHAN_BOUND_S = 20  # generous for a loaded 2-core box; the measured figure is recorded
+# A hang guard, not a speed figure: the workers sleep for an hour, so without parent-death
+# signals they would still be there at any bound; with them they go in seconds, even loaded.
+ORPHAN_BOUND_S = 120
 
 
 @pytest.fixture(params=["forkserver", "spawn"])
@@ -42,7 +44,7 @@ def test_interrupting_the_launcher_stops_everything_and_exits_130(sleeper, sig):
     assert result["failure"]["reason"] == "interrupted" and sig.name in result["failure"]["summary"]
     assert "SignalException" not in out and "Traceback" not in out
     assert (run_dir / "world2" / "logs" / "rank0.log").read_text().startswith("faulty: rank 0")
-    left, _ = wait_no_pids(str(sleeper.out), 5)
+    left, _ = wait_no_pids(str(sleeper.out), 60)  # a hang guard: the launcher stopped them before it exited
     assert left == [], f"left behind after {sig.name}:\n{describe(left)}"
 
 
@@ -51,7 +53,7 @@ def test_sigkill_of_the_launcher_leaves_no_agent_and_no_worker(sleeper):
     before = set(pids_mentioning(str(sleeper.out)))
     assert set(workers.values()) <= before and sleeper.pid in before and len(before) >= 4  # launcher, agent, 2 ranks
     os.kill(sleeper.pid, signal.SIGKILL)
-    sleeper.wait(10)
+    assert sleeper.wait(60) == -signal.SIGKILL  # 60 s: a hang guard
     left, waited = wait_no_pids(str(sleeper.out), ORPHAN_BOUND_S)
     record("SIGKILL to launcher -> last worker gone", waited)
     assert left == [], f"orphans {ORPHAN_BOUND_S}s after the launcher was SIGKILLed:\n{describe(left)}"

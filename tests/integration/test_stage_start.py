@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 
-import launcher.control.api
+import launcher.control.nodes
 from launcher import run_job
 from launcher.backends.ssh import PreflightError
 from launcher.procutil import free_port
@@ -34,7 +34,7 @@ def test_a_stage_that_cannot_start_keeps_the_finished_stages(tmp_path, monkeypat
             raise PreflightError(["h1: cannot pick a rendezvous port: unreachable over SSH (10.0.0.1:22): timed out"])
         return free_port(host)
 
-    monkeypatch.setattr(launcher.control.api, "free_port", first_host_gone_after_one_stage)
+    monkeypatch.setattr(launcher.control.nodes, "free_port", first_host_gone_after_one_stage)
     monkeypatch.setenv("PYTHONPATH", pythonpath())
     shown = io.StringIO()
     result = run_job(JOB, overrides=["scaling.workers=[1,2]"], out=tmp_path / "runs", events=RunUI(Console(file=shown, width=200)))

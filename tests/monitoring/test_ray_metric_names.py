@@ -23,7 +23,7 @@ import yaml
 pytest.importorskip("ray")
 pytest.importorskip("prometheus_client")
 
-from launcher.control.metrics_endpoint import MetricsEndpoint, RankSample, StageSample
+from launcher.monitoring.endpoint import MetricsEndpoint, RankSample, StageSample
 from tests.monitoring.conftest import wait_for
 from tests.ports import unshared_port
 from tests.integration.faultkit import pythonpath
@@ -58,11 +58,16 @@ class Rank:
         self.rank = rank
 
     def run(self, seconds):
-        end = time.monotonic() + seconds
+        # the steps the clock says were done (one per step_s), not one batch per loop: a loaded
+        # machine's late wake-ups do not lower the rate
+        start = time.monotonic()
+        end, done = start + seconds, 0
         while time.monotonic() < end:
             time.sleep(0.1)
-            n = max(1, round(0.1 / step_s))
-            self.steps.inc(n, tags=self.tags)
+            n = int((time.monotonic() - start) / step_s) - done
+            done += n
+            if n > 0:
+                self.steps.inc(n, tags=self.tags)
             for _ in range(n):
                 self.hist.observe(step_s, tags=self.tags)
             self.step_time.set(step_s, tags=self.tags)

@@ -31,12 +31,17 @@ import time
 
 
 def run(ctx):
-    """Steps every 50 ms for params.seconds, saying so once a second."""
-    end, said, n = time.monotonic() + float(ctx.param("seconds")), 0.0, 0
-    while time.monotonic() < end:
+    """params.steps steps, one every 50 ms at the most, saying so once a second. A count, not a
+    time budget, and from a barrier on: both ranks step side by side for at least steps x 50 ms
+    (several progress readings) however late a loaded machine starts either of them."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    said, n = 0.0, 0
+    for n in range(1, int(ctx.param("steps")) + 1):
         time.sleep(0.05)
         ctx.metrics.step()
-        n += 1
         if time.monotonic() - said >= 1.0:
             said = time.monotonic()
             print(f"stepper: rank {ctx.rank} step {n}", flush=True)
@@ -107,7 +112,7 @@ def test_a_jobs_api_run_shows_live_progress_and_never_its_tagged_lines(
     monkeypatch.syspath_prepend(str(job_dir))  # here, as PYTHONPATH would: the spec's entrypoint is checked before submitting
     (job_dir / "stepper_job.py").write_text(STEPPER)
     (job_dir / "stepper.yaml").write_text(
-        "name: stepper\nentrypoint: stepper_job:run\nparams: {seconds: 5}\nbackend: ray\n"
+        "name: stepper\nentrypoint: stepper_job:run\nparams: {steps: 100}\nbackend: ray\n"
         "resources: {cpu_workers: 2}\ntimeouts: {rendezvous_s: 60, run_s: 300}\n"
     )
     ui = RecordingUI()

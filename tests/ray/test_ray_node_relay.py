@@ -21,6 +21,7 @@ import launcher
 from launcher.backends.ray import RELAY_BATCH_S, RayStage
 from launcher.stage.events import RankBeacon
 from tests.ray.conftest import RayHead, assert_ray_run_left_nothing
+from tests.waiting import wait_empty
 
 pytestmark = pytest.mark.slow
 WORLD, SECONDS = 3, 6.0
@@ -120,10 +121,8 @@ def test_one_drain_per_node_brings_every_ranks_beacons_lines_and_reports(ray_dri
     assert all(gap <= 0.6 for gap in gaps.values()), gaps  # every beacon of 2 a second
     _check_lines(result)
     assert_ray_run_left_nothing(ray_driver, "relay", [r["pid"] for r in result["ranks"]])
-    deadline = time.monotonic() + 10
-    while _relays_alive(ray_driver) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _relays_alive(ray_driver) == [], "the node's relay outlived the stage"
+    # 60 s: a hang guard (the relay ends with its stage; Ray's actor table says so a moment later)
+    assert wait_empty(lambda: _relays_alive(ray_driver), 60.0, 0.2) == [], "the node's relay outlived the stage"
 
 
 def test_a_relay_that_dies_hands_its_ranks_back_to_a_drain_each(ray_driver: RayHead, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

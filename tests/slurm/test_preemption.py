@@ -140,7 +140,7 @@ def test_ctrl_c_while_the_requeued_job_waits_in_the_queue_cancels_it(slurm_reque
     job_id = run.job_id()
     wait_for_steps(run, 2)
     rig.run(["scontrol", "requeue", job_id], check=True)
-    rig.wait_for("launch to see the requeue", lambda: f"Slurm job {job_id} was requeued (restart 1)" in run.output(), 30)
+    rig.wait_for("launch to see the requeue", lambda: f"Slurm job {job_id} was requeued (restart 1)" in run.output(), 120)  # a hang guard
     t0 = time.monotonic()
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(60) == 130, run.output()

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.checkpoints import PARTIAL_PREFIX, CheckpointError, Manifest, check_writable, complete_steps, job_identity
+from launcher.checkpoint_store import PARTIAL_PREFIX, CheckpointError, Manifest, check_writable, complete_steps, job_identity
 from launcher.protocol import WorkerConfig
+from launcher.runtime import checkpoint as checkpoint_module
 from launcher.runtime.checkpoint import Checkpoints, StopNotice
+from tests.fake_time import FakeTime
 
 
 def config(tmp_path: Path, **overrides: object) -> WorkerConfig:
@@ -134,7 +136,8 @@ def test_step_must_be_a_count(tmp_path: Path) -> None:
         checkpoints(tmp_path).save(state(1), step=-1)
 
 
-def test_the_stop_notice_is_the_jobs_once_it_watches() -> None:
+def test_the_stop_notice_is_the_jobs_once_it_watches(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeTime.install(monkeypatch, checkpoint_module)
     notice = StopNotice(grace_s=30)
     called: list[str] = []
     with notice:
@@ -142,7 +145,11 @@ def test_the_stop_notice_is_the_jobs_once_it_watches() -> None:
         notice.on_stop(lambda: called.append(notice.reason))
         notice.notify("SIGTERM")
         assert notice.requested is True and called == ["SIGTERM"]
-        assert 29 < (notice.seconds_left or 0) <= 30
+        assert notice.seconds_left == 30  # the whole grace, from the notice on
+        clock.advance(12.5)
+        assert notice.seconds_left == 17.5
+        clock.advance(20)
+        assert notice.seconds_left == 0.0  # past the grace: none left, never negative
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signal handlers live in the main thread")

@@ -105,11 +105,11 @@ def test_mig_devices_are_counted_not_dropped_to_cpu():
 def test_a_plan_counts_the_gpus_the_jobs_env_leaves_visible(tmp_path, monkeypatch):
     import functools
 
-    import launcher.control.api
+    import launcher.control.nodes
     from launcher.control.api import dry_run
     from launcher.spec.model import load_job
 
-    monkeypatch.setattr(launcher.control.api, "discover", functools.partial(discover, query=recorded("nvidia_smi_h100x4.csv"), env={}))
+    monkeypatch.setattr(launcher.control.nodes, "discover", functools.partial(discover, query=recorded("nvidia_smi_h100x4.csv"), env={}))
     spec = tmp_path / "j.yaml"
     spec.write_text("name: j\nentrypoint: launcher.workloads.matmul:run\nenv: {CUDA_VISIBLE_DEVICES: '2,3'}\n")
     (plan,) = dry_run(load_job(spec)).plans

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.control.api import HostPool, _plan_factory
+from launcher.control.api import _plan_factory
+from launcher.control.nodes import HostPool
 from launcher.control.planning import size_run
 from launcher.errors import PlanError, SpecError
 from launcher.hardware.devices import discover

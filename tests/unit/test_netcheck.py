@@ -4,6 +4,7 @@ does; the ring's rounds and timing; and the verdict, a pure function of the meas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 from launcher.backends.ssh.netcheck import NOT_MEASURED, judge, network_check, plan_timing, ring_rounds
 from launcher.protocol import HOST_ANSWER_TAG
 from launcher.records import LinkMeasure
-from launcher.runtime.netcheck import LinkTiming, Listener, Peer, _bulk, measure_link, measure_ring
+from launcher.runtime.linkprobe import LinkTiming, Listener, Peer, _bulk, measure_link, measure_ring
 from tests.cluster.conftest import REPO
 
 QUICK = LinkTiming(connect_s=0.5, ping_s=0.1, send_s=0.3, drain_s=0.5, max_bytes=10**10)
@@ -31,10 +32,13 @@ def listener() -> Iterator[Listener]:
     assert not opened.thread.is_alive()
 
 
-def _closed_port() -> int:
+@contextlib.contextmanager
+def _closed_port() -> Iterator[int]:
+    """A port that refuses connections: bound by this process, never listened on, and held until
+    the block ends (a port freed at once could be taken by another test's process before the connect)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        yield int(sock.getsockname()[1])
 
 
 # ------------------------------------------------------------------------ the protocol, threads
@@ -64,22 +68,24 @@ def test_a_ring_measures_its_peers_in_order(listener):
 
 
 def test_a_closed_port_is_an_error_entry_at_once():
-    t0 = time.monotonic()
-    figure = measure_link(Peer("gone", "127.0.0.1", _closed_port()), QUICK)
+    with _closed_port() as port:
+        figure = measure_link(Peer("gone", "127.0.0.1", port), QUICK)
     assert figure.gbit_s is None and figure.latency_ms is None
-    assert figure.error is not None and "refused" in figure.error.lower(), figure.error
-    assert time.monotonic() - t0 < QUICK.connect_s
+    # refused at the connect: the kernel's answer, not a timeout ("no answer within ...") run out
+    assert figure.error == f"connect to 127.0.0.1:{port}: Connection refused", figure.error
 
 
 def test_a_peer_that_never_answers_is_an_error_within_the_timeout():
     with socket.socket() as mute:  # accepts in the kernel's backlog, never reads or answers
         mute.bind(("127.0.0.1", 0))
         mute.listen(8)
+        port = mute.getsockname()[1]
         t0 = time.monotonic()
-        figure = measure_link(Peer("mute", "127.0.0.1", mute.getsockname()[1]), QUICK)
+        figure = measure_link(Peer("mute", "127.0.0.1", port), QUICK)
         elapsed = time.monotonic() - t0
-    assert figure.gbit_s is None and figure.error is not None and "no answer within" in figure.error, figure.error
-    assert elapsed < QUICK.connect_s + 0.3
+    # the connect succeeds (the kernel's backlog); the first ping's answer gets connect_s, and no more
+    assert figure.gbit_s is None and figure.error == f"ping to 127.0.0.1:{port}: no answer within {QUICK.connect_s:.2g} s", figure.error
+    assert elapsed >= QUICK.connect_s  # it waited the timeout out
 
 
 def test_a_receiver_without_its_count_gives_the_bytes_its_tcp_acknowledged():
@@ -106,13 +112,15 @@ def test_a_receiver_without_its_count_gives_the_bytes_its_tcp_acknowledged():
         finally:
             done.set()
             thread.join(5)
-    assert acknowledged is False and received > 0 and 0.6 <= seconds < 1.5
+    # no count: the drain_s timeout's path (the acknowledged bytes), after the whole send_s and drain_s
+    assert acknowledged is False and received > 0 and seconds >= 0.6
 
 
 def test_the_listener_is_gone_after_its_deadline():
-    opened = Listener("127.0.0.1", for_s=0.3)
+    opened = Listener("127.0.0.1", for_s=30)  # open for as long as a loaded machine's measurement needs
     assert measure_link(Peer("lo", "127.0.0.1", opened.port), LinkTiming(0.5, 0.1, 0.05, 0.5, 10**9)).error is None
-    opened.thread.join(2)
+    opened.deadline = time.monotonic()  # its deadline comes (the test does not wait out its for_s)
+    opened.thread.join(60)  # a hang guard: the accept loop notices within ACCEPT_POLL_S
     assert not opened.thread.is_alive()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", opened.port), timeout=1).close()
@@ -159,8 +167,9 @@ def test_two_host_helpers_measure_each_other_over_json_requests():
     try:
         ports = [h.call("net-listen", bind="127.0.0.1", for_s=20)["port"] for h in (a, b)]
         timing = {"send_s": 0.3, "max_mb": 10_000, "connect_s": 0.5, "ping_s": 0.1, "drain_s": 0.5}
-        answers = [a.call("net-ring", peers=[["b", "127.0.0.1", ports[1]]], **timing),
-                   b.call("net-ring", peers=[["a", "127.0.0.1", ports[0]], ["gone", "127.0.0.1", _closed_port()]], **timing)]  # fmt: skip
+        with _closed_port() as closed:
+            answers = [a.call("net-ring", peers=[["b", "127.0.0.1", ports[1]]], **timing),
+                       b.call("net-ring", peers=[["a", "127.0.0.1", ports[0]], ["gone", "127.0.0.1", closed]], **timing)]  # fmt: skip
     finally:
         a.close()
         b.close()

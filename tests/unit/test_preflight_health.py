@@ -20,7 +20,7 @@ import pynvml
 import pytest
 
 from launcher.backends.ssh.preflight import HostReport, PreflightError, preflight_hosts
-from launcher.control import api
+from launcher.control import nodes
 from launcher.hardware.devices import discover
 from launcher.hardware.nvml import RecordedNvml
 from launcher.spec.cluster import ClusterConfig, HostConfig
@@ -70,7 +70,7 @@ BAD_GPUS = {
 def test_an_unfit_gpu_on_this_machine_refuses_the_run(case, monkeypatch, tmp_path, capsys):
     rec, index, words = BAD_GPUS[case]
     node = node_from(rec)
-    monkeypatch.setattr(api, "local_node", lambda visible=None: node)
+    monkeypatch.setattr(nodes, "local_node", lambda visible=None: node)
     code = cli.main([str(REPO / "jobs/ddp_train.yaml"), "--out", str(tmp_path), "--set", "resources.gpus_per_node=8"])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -85,11 +85,11 @@ def test_a_gpu_the_job_does_not_use_is_not_its_business(monkeypatch):
     rec, _, _ = BAD_GPUS["ecc"]  # GPU 3 is bad; the job sees GPUs 0 and 1 only
     node = node_from(rec, visible="0,1")
     job = load_job(REPO / "jobs/ddp_train.yaml", ["resources.gpus_per_node=2"])
-    api.check_local_gpus(job, node)
+    nodes.check_local_gpus(job, node)
     with pytest.raises(Exception) as caught:
-        api.check_local_gpus(job, node_from(rec, visible="3,1"))  # now cuda:0 is the bad one
+        nodes.check_local_gpus(job, node_from(rec, visible="3,1"))  # now cuda:0 is the bad one
     assert "GPU 3" in str(caught.value) and "cuda:0 for the job" in str(caught.value)
-    api.check_local_gpus(load_job(REPO / "jobs/ddp_train.yaml", ["resources.gpus_per_node=2", "preflight.gpu_health=false"]), node_from(rec, visible="3,1"))
+    nodes.check_local_gpus(load_job(REPO / "jobs/ddp_train.yaml", ["resources.gpus_per_node=2", "preflight.gpu_health=false"]), node_from(rec, visible="3,1"))
 
 
 # --- several hosts: left out, replaced by a spare ---------------------------------------------------

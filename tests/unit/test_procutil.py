@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
+from launcher import procutil
 from launcher.procutil import (
     cmdline,
     descendants,
@@ -27,6 +28,7 @@ from launcher.procutil import (
     wait_gone,
     write_json_atomic,
 )
+from tests.fake_time import FakeTime
 
 # sh -> {sleep, sh -> sleep}: two levels below the root, none of them exec'd away
 TREE = "sleep 60 & sh -c 'sleep 60 & wait' & wait"
@@ -87,12 +89,19 @@ def test_descendants_of_a_pid_that_is_gone_is_empty() -> None:
     assert process_spawn_time(proc.pid) is None
 
 
-def test_kill_now_kills_a_tree_by_pid_and_leaves_its_exit_status_to_the_popen(tree) -> None:
+def test_kill_now_kills_a_tree_by_pid_and_leaves_its_exit_status_to_the_popen(tree, monkeypatch) -> None:
     root, below = tree
     assert all(pid_alive(p) for p in [root.pid, *below])
-    started = time.monotonic()
+    survivors: list[list[int]] = []
+
+    def seen_wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[int]:
+        survivors.append(real_wait_gone(procs, timeout_s))
+        return survivors[-1]
+
+    real_wait_gone = procutil._wait_gone
+    monkeypatch.setattr(procutil, "_wait_gone", seen_wait_gone)
     kill_now([root.pid, *below])
-    assert time.monotonic() - started < 5.0
+    assert survivors == [[]]  # its wait ended with every process gone, not at its deadline with survivors
     assert not any(pid_alive(p) for p in [root.pid, *below])
     assert wait_gone([root.pid, *below], 0.0) == []
     # the root is our child: a zombie until we reap it, and kill_now did not reap it
@@ -123,19 +132,22 @@ def test_a_zombie_is_dead_but_still_in_the_tree() -> None:
     assert proc.pid not in descendants(os.getpid())
 
 
-def test_wait_gone_returns_the_survivors_at_the_deadline_and_the_exits_before_it(tree) -> None:
+def test_wait_gone_returns_the_survivors_at_the_deadline_and_the_exits_before_it(tree, monkeypatch) -> None:
     root, below = tree
     started = time.monotonic()
     assert sorted(wait_gone([root.pid, *below], 0.3)) == sorted([root.pid, *below])
-    assert 0.3 <= time.monotonic() - started < 3.0
+    assert time.monotonic() - started >= 0.3  # it waited its whole timeout for them
     sleeper = next(p for p in below if Path(cmdline(p)[0]).name == "sleep" and psutil.Process(p).ppid() == root.pid)
-    timer = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(0.3); os.kill({sleeper}, 9)"])
-    try:
-        started = time.monotonic()
-        assert wait_gone([sleeper], 10.0) == []
-        assert time.monotonic() - started < 5.0
-    finally:
-        timer.wait(10)
+
+    def kill_at_third_poll(n: int) -> None:  # the sleeper dies while wait_gone polls, after its 3rd sleep
+        if n == 3:
+            os.kill(sleeper, signal.SIGKILL)
+            assert _until(lambda: not pid_alive(sleeper), 60.0), "the sleeper outlived SIGKILL"  # a hang guard
+
+    clock = FakeTime.install(monkeypatch, procutil, on_sleep=kill_at_third_poll)
+    assert wait_gone([sleeper], 10.0) == []
+    assert clock.sleeps == [0.02] * 3  # it returned on the poll after the exit, long before its 10 s
+    monkeypatch.undo()
     assert sorted(wait_gone([root.pid, *below], 0.0)) == sorted(p for p in [root.pid, *below] if p != sleeper)
 
 

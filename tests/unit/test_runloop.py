@@ -25,11 +25,12 @@ from launcher.masking import MASK
 from launcher.protocol import RankProgress, RankStatus, StagePaths, WorkerConfig
 from launcher.policies import FailureClass
 from launcher.records import FailureReason, RunStatus, StageOutcome
-from launcher.runtime.devices import NodeInventory
+from launcher.hardware.devices import NodeInventory
 from launcher.spec.model import load_job
 from launcher.stage.events import RankBeacon
 from launcher.stage.plan import NodeTarget, StagePlan
 from launcher.stage.watch import RunEvents, StageProgress
+from tests.fake_time import FakeTime
 from tests.unit.fakebackend import (
     DONE_OK,
     STOPPED,
@@ -173,9 +174,9 @@ def test_rank_failure_report_fails_fast_without_waiting_for_the_group(tmp_path: 
             after_stop=after_stop,  # the group never ends by itself
         )
     )
-    t0 = time.monotonic()
+    clock = FakeTime.install(monkeypatch, runloop)
     outcome = run(Plans(tmp_path), backend)
-    assert time.monotonic() - t0 < 5.0
+    assert clock.elapsed < runloop.FAILURE_GRACE_S  # the loop's own clock: it never waited out the grace
 
     (b,) = backend.instances
     assert b.polls_before_stop == 2  # stopped on the poll that saw the report
@@ -200,9 +201,9 @@ def test_rank_killed_by_a_signal_is_the_root_cause_and_its_peer_collateral(tmp_p
     monkeypatch.setattr(runloop, "FAILURE_GRACE_S", 30.0)  # the group's end comes well before it
     died = Status(done=True, ok=False, rank_exits=exits((1, "SIGKILL")), detail="agent on h exited with 1")
     backend = scripted(Attempt(polls=[BOTH_RUNNING, Step(reports={0: peer_loss()}), Step(), Step(status=died)]))
-    t0 = time.monotonic()
+    clock = FakeTime.install(monkeypatch, runloop)
     outcome = run(Plans(tmp_path), backend)
-    assert time.monotonic() - t0 < 5.0
+    assert clock.elapsed < runloop.FAILURE_GRACE_S  # the loop's own clock: ended with the group, not the grace
 
     (b,) = backend.instances
     assert b.polls_before_stop == 4 and b.calls[-2:] == ["stop", "collect"]
@@ -216,16 +217,16 @@ def test_rank_killed_by_a_signal_is_the_root_cause_and_its_peer_collateral(tmp_p
     assert outcome.reports[1].status == RankStatus.STOPPED and outcome.reports[1].last_phase == "running"
 
 
-def test_peer_loss_alone_waits_the_grace_before_failing(tmp_path: Path) -> None:
+def test_peer_loss_alone_waits_the_grace_before_failing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only "a peer is gone" so far: the process layer gets FAILURE_GRACE_S to say who died."""
     after_stop = Status(done=True, ok=False, rank_exits=exits((1, "SIGKILL")))
     backend = scripted(Attempt(polls=[BOTH_RUNNING, Step(reports={0: peer_loss()})], after_stop=after_stop))
-    t0 = time.monotonic()
+    clock = FakeTime.install(monkeypatch, runloop)
     outcome = run(Plans(tmp_path), backend)
-    elapsed = time.monotonic() - t0
 
     (b,) = backend.instances
-    assert elapsed >= runloop.FAILURE_GRACE_S
+    # the loop's own clock: it waited the whole grace, and stopped on the first turn after it
+    assert runloop.FAILURE_GRACE_S <= clock.elapsed <= runloop.FAILURE_GRACE_S + 3 * runloop.MIN_TURN_S, clock.elapsed
     assert b.polls_before_stop >= 3  # kept polling through the grace
     assert outcome.status == RunStatus.FAILED
     root = outcome.failure.root_cause
@@ -355,7 +356,7 @@ def test_a_taken_port_is_not_retried_after_a_stop_request(tmp_path: Path) -> Non
 # --- timeout and stop -----------------------------------------------------------------------------
 
 
-def test_run_timeout_dumps_stacks_and_names_the_stuck_ranks(tmp_path: Path) -> None:
+def test_run_timeout_dumps_stacks_and_names_the_stuck_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     plans = Plans(tmp_path, "timeouts: {run_s: 0.2}\nmax_restarts: 2\n")
     backend = scripted(
         Attempt(
@@ -363,9 +364,9 @@ def test_run_timeout_dumps_stacks_and_names_the_stuck_ranks(tmp_path: Path) -> N
             after_stop=Status(done=True, ok=False, rank_exits=exits((1, "SIGTERM"))),
         )
     )
-    t0 = time.monotonic()
+    clock = FakeTime.install(monkeypatch, runloop)
     outcome = run(plans, backend)
-    assert time.monotonic() - t0 >= 0.2
+    assert clock.elapsed >= 0.2  # the loop's own clock: run_s was honoured
 
     (b,) = backend.instances  # a timeout is not restarted
     assert b.signals == [signal.SIGUSR1]
@@ -631,12 +632,13 @@ def test_a_stop_notice_that_the_ranks_do_not_answer_in_time_stops_them(tmp_path:
     assert "it saved no checkpoint" in outcome.failure.summary
 
 
-def test_a_stop_without_a_watching_job_stops_it_without_waiting_the_grace(tmp_path: Path) -> None:
+def test_a_stop_without_a_watching_job_stops_it_without_waiting_the_grace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stop = StopRequest()
     backend = scripted(Attempt(polls=[BOTH_RUNNING, Step(effect=lambda s: stop.set("SIGINT"))]))
-    t0 = time.monotonic()
+    clock = FakeTime.install(monkeypatch, runloop)
     outcome = run(Plans(tmp_path, "preemption: {grace_s: 30}\n"), backend, stop=stop)
     (b,) = backend.instances
-    assert time.monotonic() - t0 < 10  # the listen (0.05 s here), not the 30 s grace
+    # the loop's own clock: it listened NOTICE_LISTEN_S (0.05 s here) for a watching job, then stopped, not after the 30 s grace
+    assert runloop.NOTICE_LISTEN_S <= clock.elapsed <= runloop.NOTICE_LISTEN_S + 3 * runloop.MIN_TURN_S, clock.elapsed
     assert b.signals == [signal.SIGUSR2] and outcome.status == RunStatus.INTERRUPTED
     assert outcome.failure.failure_class == FailureClass.STOPPED and outcome.failure.summary == "interrupted (SIGINT)"
