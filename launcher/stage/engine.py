@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Mapping, Sequence
 
+from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.evidence import RankEvidence
 from launcher.stage.events import StageEvent
 
@@ -224,6 +225,14 @@ class Submitter(ABC):
     def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
         """Submit, follow the run to its end over the remote-run wire (or return once submitted,
         with ``detach``) and return its result, with the exit code a run from here would have."""
+
+    def attach(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> RunResult | None:
+        """Follow a run submitted earlier (``--detach``, or one whose ``launch`` went away) with
+        the same live view as a foreground run, from its start, to its end: its result (the run
+        directory brought under ``out`` where it is not there already), shown by
+        ``events.finished``. SIGINT and SIGTERM stop the following only, never the run: None.
+        A run that has ended already: its result at once."""
+        raise LauncherError(f"launch attach: the {self.name} scheduler's runs cannot be attached to", exit_code=EXIT_BAD_INPUT)
 
     @abstractmethod
     def status(self, job_id: str) -> JobInfo:

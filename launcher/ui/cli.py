@@ -31,7 +31,8 @@ def _run_parser() -> _Parser:
         epilog=(
             "other commands: launch selftest [--quick|--full] [--json] [--cluster FILE] | launch devices [--json] | launch validate JOB.yaml... | launch report RUN_DIR|JOB_DIR | launch resume RUN_DIR | launch runs [JOB] | "
             "launch status|logs|stop JOB_ID [--address URL] (a Ray job, or a numeric Slurm job id) | "
-            "launch attach|status|logs|stop|fetch|resume RUN --cluster FILE (a run started with --cluster FILE --detach)"
+            "launch attach|status|logs|stop|fetch|resume RUN --cluster FILE (a run started with --cluster FILE --detach) | "
+            "launch attach RUN_OR_JOB_ID [--address URL | --backend slurm] (a Ray or Slurm run, e.g. one started with --detach)"
         ),
     )
     p.add_argument("job", help="the job spec, e.g. jobs/matmul_scaling.yaml")
@@ -51,7 +52,8 @@ def _run_parser() -> _Parser:
     p.add_argument("--no-metrics", action="store_true", help="serve no Prometheus /metrics endpoint while the run is live")
     p.add_argument(
         "--detach", action="store_true",
-        help="submit and return (slurm: the job id); with --cluster, the run loop runs on the cluster's controller host: the run id (launch attach RUN --cluster FILE)",
+        help="start the run and return: with --cluster FILE (SSH) its run loop runs on the cluster's controller host, with --address URL (Ray) "
+        "it is a Ray job, on the slurm backend a batch job; then launch attach|status|logs|stop RUN (with the same --cluster or --address)",
     )  # fmt: skip
     return p
 
@@ -82,9 +84,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     result = run_job(
         job, backend=args.backend, out=args.out, cluster=args.cluster, address=args.address, events=ui, metrics=not args.no_metrics, detach=args.detach
     )
-    if args.detach and not args.json:  # submitted: what to follow it with
-        job_id, run_dir = result.data["job_id"], result.data["run_dir"]
-        print(f"Slurm job {job_id}: launch status {job_id} | launch logs {job_id} -f | launch stop {job_id}; once it ended: launch report {run_dir}")
+    if args.detach and not args.json:  # submitted: what to follow it with (the submitter says)
+        print(result.data.get("hint") or f"{result.data.get('job_id')}: submitted; launch status {result.data.get('job_id')}")
         return EXIT_OK
     if args.json:
         print(json.dumps(result.data, indent=2, default=str))
@@ -294,23 +295,44 @@ def _detached_command(name: str, args: argparse.Namespace) -> int:
 def cmd_attach(argv: Sequence[str]) -> int:
     p = _Parser(
         prog="launch attach",
-        description="Follow a detached run (launch JOB --cluster FILE --detach) live from its start: rank output, progress, the summary. "
-        "Exit: the run's exit code once it ends; Ctrl-C leaves it running (exit 0).",
+        description="Follow a detached run live from its start: rank output, progress, stragglers, hangs, failures, the summary. "
+        "With --cluster FILE: a run started with --cluster FILE --detach; with --address URL: a Ray job (its run id or submission id); "
+        "a numeric id or --backend slurm: a Slurm job (its job id, or its run id). "
+        "Exit: the run's exit code once it ends; Ctrl-C leaves it running (exit 0); launch stop RUN stops it.",
     )
-    p.add_argument("run", help="the run id launch --detach printed")
-    p.add_argument("--cluster", required=True, help="the run's cluster file (its controller host)")
+    p.add_argument("run", help="the run id launch --detach printed (a Slurm job id will do)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--cluster", help="the run's cluster file (its controller host)")
+    where.add_argument("--address", help="the Ray dashboard the run was submitted to, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS)")
+    where.add_argument("--backend", help="the scheduler the run was submitted to (slurm), where the id alone does not say")
+    p.add_argument("--out", default="runs", help="root of run directories here, where a run's directory is brought back (default: runs/)")
     p.add_argument("--quiet", action="store_true", help="no rank output on the console")
     args = p.parse_args(argv)
-    from launcher.control.remote_runs import attach
     from launcher.ui.console import RunUI
 
     ui = RunUI(quiet=args.quiet)
-    try:
-        return attach(args.cluster, args.run, ui)
-    except KeyboardInterrupt:
-        ui.stage_finished()
-        print(f"detached from run {args.run}; it goes on (launch attach {args.run} --cluster {args.cluster}, launch stop ...)", file=sys.stderr)
-        return EXIT_OK
+    if args.cluster:
+        from launcher.control.remote_runs import attach
+
+        try:
+            return attach(args.cluster, args.run, ui)
+        except KeyboardInterrupt:
+            ui.stage_finished()
+            print(f"detached from run {args.run}; it goes on (launch attach {args.run} --cluster {args.cluster}, launch stop ...)", file=sys.stderr)
+            return EXIT_OK
+    from launcher import backends
+
+    address = args.address
+    if args.backend:
+        if args.backend not in backends.submitter_names():
+            raise LauncherError(f"--backend {args.backend}: no scheduler of that name (one of: {', '.join(backends.submitter_names())})",
+                                exit_code=EXIT_BAD_INPUT)  # fmt: skip
+        scheduler = backends.submitter_class(args.backend)(address=address)
+    else:
+        scheduler = backends.submitter_for_id(args.run, address)
+    result = scheduler.attach(args.run, out=Path(args.out), events=ui)
+    # None: detached (Ctrl-C); the scheduler said how to attach again or stop the run
+    return EXIT_OK if result is None else result.exit_code
 
 
 def cmd_fetch(argv: Sequence[str]) -> int:

@@ -111,29 +111,62 @@ class RayJobsSubmitter(Submitter):
         return requests, notes
 
     def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
-        """Submit, follow the job's log to its end, bring its run directory back under ``out``."""
-        if detach:
-            raise LauncherError("--detach: only the slurm backend submits and returns; a Ray job is followed to its end", exit_code=EXIT_BAD_INPUT)
+        """Submit, follow the job's log to its end, bring its run directory back under ``out``;
+        with ``detach``, return once submitted (``launch attach RUN --address URL`` follows it)."""
         job, address = submission.job, check_address(self.address)
         jobs = client(address)
         job_id = submission_id(job.spec.name, submission.run_id)
         shipped = shipment(job, submission.out)  # an oversized working directory is refused here, before anything is submitted
+        run_dir = Path(submission.out).resolve() / job.spec.name / submission.run_id
         signals: list[str] = []
-        with ray_logs_into(Path(submission.out).resolve() / job.spec.name / submission.run_id / RAY_LOG_FILE):
+        with ray_logs_into(run_dir / RAY_LOG_FILE):
             with handling_stop_signals(lambda signum, _frame: signals.append(signal.Signals(signum).name)):
                 job_id = _submit(jobs, job, job_id, submission.run_id, address, shipped)
                 events.message(f"submitted Ray job {job_id} to {address}  (dashboard: {address}/#/jobs/{job_id})")
                 events.note(shipped.describe())
-                run = RayJobRun(jobs, job_id)
-                try:
-                    reader = WireReader(events, "ray")
-                    state = follow(run, reader, interrupted=lambda: bool(signals) or bool(stop))
-                    reader.close()  # the live line goes before anything else is said (an interrupt)
-                    if state is None:
-                        state = _stop_after_interrupt(jobs, job_id, signals[0] if signals else "stop request", events, signals, run, reader)
-                    return _result(jobs, job_id, state, run, Path(submission.out), address, events)
-                finally:
-                    run.close()
+                if detach:
+                    hint = (f"run {submission.run_id} (Ray job {job_id}) goes on on the cluster; follow it: launch attach {submission.run_id} "
+                            f"--address {address}  (Ctrl-C leaves it running)\n  launch status|logs|stop {submission.run_id} --address {address}")  # fmt: skip
+                    data = {"job": job.spec.name, "run_id": submission.run_id, "backend": self.name, "status": "pending", "job_id": job_id,
+                            "run_dir": str(run_dir), "address": address, "hint": hint}  # fmt: skip
+                    return RunResult(data, run_dir)
+                result = self.follow(job_id, Path(submission.out), events, on_interrupt="stop", signals=signals, stop=stop)
+                assert result is not None  # "stop": an interrupt stops the job, and its result comes back
+                return result
+
+    def attach(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> RunResult | None:
+        """Follow a submitted job (its run id or its submission id) as a foreground ``--address``
+        run does after submitting, from its start; SIGINT or SIGTERM leave it running (None)."""
+        address = check_address(self.address)
+        job_id = self.status(run_or_job_id).job_id  # a clear error for an unknown run
+        signals: list[str] = []
+        with handling_stop_signals(lambda signum, _frame: signals.append(signal.Signals(signum).name)):
+            events.message(f"attached to Ray job {job_id} at {address}  (dashboard: {address}/#/jobs/{job_id})")
+            return self.follow(job_id, out, events, on_interrupt="detach", signals=signals)
+
+    def follow(
+        self, job_id: str, out: Path, events: RunEvents, *, on_interrupt: str, signals: list[str], stop: object | None = None
+    ) -> RunResult | None:
+        """The job's wire, followed to its end, its run directory brought back under ``out``: its
+        result. Interrupted (a signal in ``signals``, or ``stop``): ``on_interrupt`` "stop" stops
+        the job and waits for it (its result); "detach" leaves it running (None)."""
+        address = check_address(self.address)
+        jobs = client(address)
+        run = RayJobRun(jobs, job_id)
+        try:
+            reader = WireReader(events, "ray")
+            state = follow(run, reader, interrupted=lambda: bool(signals) or bool(stop))
+            reader.close()  # the live line goes before anything else is said (an interrupt)
+            if state is None:
+                if on_interrupt == "detach":
+                    run_id = (_metadata(jobs, job_id).get("run_id") or job_id)
+                    events.message(f"detached: Ray job {job_id} goes on (launch attach {run_id} --address {address} follows it again, "
+                                   f"launch stop {run_id} --address {address} stops it)")  # fmt: skip
+                    return None
+                state = _stop_after_interrupt(jobs, job_id, signals[0] if signals else "stop request", events, signals, run, reader)
+            return _result(jobs, job_id, state, run, out, address, events)
+        finally:
+            run.close()
 
     def status(self, job_id: str) -> JobInfo:
         jobs = client(self.address)
@@ -172,6 +205,13 @@ class RayJobsSubmitter(Submitter):
 def submission_id(job: str, run_id: str) -> str:
     """The Ray job of a run: ``<job>-<run id>`` (the run directory is ``<job>/<run id>``)."""
     return f"{job}-{run_id}"
+
+
+def _metadata(jobs: Any, job_id: str) -> dict[str, str]:
+    try:
+        return dict(jobs.get_job_info(job_id).metadata or {})
+    except Exception:  # noqa: BLE001 - the head is gone: no metadata
+        return {}
 
 
 def _job_of(jobs: Any, given: str) -> str:

@@ -51,6 +51,26 @@ class OutputTail:
 
 
 
+def job_of_run(given: str) -> str:
+    """The Slurm job ``given`` names: a job id, or a run id (the job is named ``<job>-<run id>``)
+    while slurmctld remembers its job."""
+    if given.isdigit():
+        return given
+    done = commands.run(["squeue", "-h", "-t", "all", "-o", "%i|%j"])
+    if done.returncode != 0:
+        raise commands.SlurmError(f"squeue failed: {commands.one_line(done.stderr or done.stdout)}")
+    found = sorted({i for i, _, name in (line.partition("|") for line in done.stdout.splitlines()) if name.endswith(f"-{given}")})
+    if len(found) != 1:
+        why = "no Slurm job" if not found else f"{len(found)} Slurm jobs ({', '.join(found)})"
+        raise LauncherError(f"{given!r}: {why} of that run id in squeue (a Slurm job id is a number)", exit_code=EXIT_BAD_INPUT)
+    return found[0]
+
+
+def locate(job_id: str) -> tuple[commands.JobState, dict[str, str], Path | None]:
+    """The job's state, its ``scontrol`` record and its run directory (None: not a gpulaunch run)."""
+    return _locate(job_id)
+
+
 def _locate(job_id: str) -> tuple[commands.JobState, dict[str, str], Path | None]:
     if not job_id.isdigit():
         raise LauncherError(f"{job_id!r}: a Slurm job id is a number", exit_code=EXIT_BAD_INPUT)

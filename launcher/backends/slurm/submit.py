@@ -31,7 +31,9 @@ import yaml
 
 from launcher.backends.slurm import commands, inside
 from launcher.backends.slurm.backend import check_no_cluster_file
-from launcher.backends.slurm.jobs import ACTIVE_NOT_STARTED, OutputTail, cancel_and_wait, job_info, job_logs, stop_job, wait_ended
+from launcher.backends.slurm.jobs import (
+    ACTIVE_NOT_STARTED, OutputTail, cancel_and_wait, job_info, job_logs, job_of_run, locate, stop_job, wait_ended,
+)  # fmt: skip
 from launcher.backends.slurm.outcome import finish
 from launcher.backends.slurm.script import (
     RECORD_FILE, SCRIPT_FILE, SPEC_FILE, Allocation, allocation_for, check_paths, fitting_nodes, output_path, planned_nodes, sbatch_script,
@@ -168,9 +170,32 @@ class SlurmSubmitter(Submitter):
             if detach:
                 from launcher.results.store import RunResult
 
-                data = {"job": job.spec.name, "run_id": submission.run_id, "backend": "slurm", "status": "pending", "job_id": job_id, "run_dir": str(run_dir)}
+                hint = (f"Slurm job {job_id}: launch status {job_id} | launch logs {job_id} -f | launch stop {job_id}; "
+                        f"follow it: launch attach {job_id} (Ctrl-C leaves it running); once it ended: launch report {run_dir}")  # fmt: skip
+                data = {"job": job.spec.name, "run_id": submission.run_id, "backend": "slurm", "status": "pending", "job_id": job_id,
+                        "run_dir": str(run_dir), "hint": hint}  # fmt: skip
                 return RunResult(data, run_dir)
-            return _follow_job(job, job_id, run_dir, events, signals, stop)
+            result = _follow_job(job, job_id, run_dir, events, signals, stop)
+            assert result is not None  # an interrupt cancels the job: its result
+            return result
+
+    def attach(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> RunResult | None:
+        """Follow a submitted job (its job id, or its run id while Slurm remembers its job) as a
+        foreground run follows its own, from the start of its output to its end; SIGINT or SIGTERM
+        leave it running (None). Its run directory is where the job writes it (a filesystem the
+        cluster shares), not under ``out``."""
+        job_id = job_of_run(run_or_job_id)
+        state, record, run_dir = locate(job_id)
+        if run_dir is None:
+            raise LauncherError(f"Slurm job {job_id} is not a gpulaunch run (no {RECORD_FILE} beside its output {record.get('StdOut', '?')})",
+                                exit_code=EXIT_BAD_INPUT)  # fmt: skip
+        spec = yaml.safe_load((run_dir / SPEC_FILE).read_text()) if (run_dir / SPEC_FILE).is_file() else {}
+        pending_after_s = float(((spec or {}).get("timeouts") or {}).get("rendezvous_s") or 300)
+        signals: list[str] = []
+        with handling_stop_signals(lambda signum, _frame: signals.append(signal.Signals(signum).name)):
+            events.message(f"attached to Slurm job {job_id} ({state.state}); run directory: {run_dir}")
+            return _follow_job(None, job_id, run_dir, events, signals, None, detach_on_interrupt=True, pending_after_s=pending_after_s,
+                               restarts=commands.restarts_of(record) or 0)  # fmt: skip
 
     def status(self, job_id: str) -> JobInfo:
         return job_info(job_id)
@@ -210,11 +235,21 @@ def _write_run_dir(job: LoadedJob, run_dir: Path, alloc: Allocation, cwd: Path, 
     )
 
 
-def _follow_job(job: LoadedJob, job_id: str, run_dir: Path, events: RunEvents, signals: list[str], stop: object | None) -> RunResult:
-    """Follow the job over the wire until it has ended (or cancel it on a signal), then its result."""
-    run = SlurmRun(job, job_id, run_dir, events)
+def _follow_job(
+    job: LoadedJob | None, job_id: str, run_dir: Path, events: RunEvents, signals: list[str], stop: object | None, *,
+    detach_on_interrupt: bool = False, pending_after_s: float | None = None, restarts: int = 0,
+) -> RunResult | None:
+    """Follow the job over the wire until it has ended (or cancel it on a signal), then its
+    result. ``detach_on_interrupt`` (``launch attach``): a signal stops the following only (None)."""
+    run = SlurmRun(job, job_id, run_dir, events, pending_after_s=pending_after_s)
+    if restarts:  # requeued before this follower came: not news, and the run it follows is the last allocation's
+        run.restarts, run.rerun_since = restarts, 0.0
     reader = WireReader(events, "slurm")
     state_name = follow(run, reader, interrupted=lambda: bool(signals) or bool(stop), poll_s=POLL_S)
+    if state_name is None and detach_on_interrupt:
+        reader.close()
+        events.message(f"detached: Slurm job {job_id} goes on (launch attach {job_id} follows it again, launch stop {job_id} stops it)")
+        return None
     state = run.state
     interrupted = signals[0] if signals else ("stop request" if stop else None)
     if interrupted and state_name is None:
@@ -234,8 +269,10 @@ class SlurmRun(RemoteRun):
     """One submitted job, as the follow loop sees it: its output file, and ``squeue``; through
     every requeue (the same job id, the same output file, the run resumed) to its end."""
 
-    def __init__(self, job: LoadedJob, job_id: str, run_dir: Path, events: RunEvents) -> None:
+    def __init__(self, job: LoadedJob | None, job_id: str, run_dir: Path, events: RunEvents, *, pending_after_s: float | None = None) -> None:
         self.job, self.job_id, self.run_dir, self.events = job, job_id, run_dir, events
+        # how long the job may pend before that is said: timeouts.rendezvous_s
+        self.pending_after_s = pending_after_s if pending_after_s is not None else (job.spec.timeouts.rendezvous_s if job else 300.0)
         self.tail = OutputTail(output_path(run_dir, job_id))
         self.state: commands.JobState | None = None
         self.lost: str | None = None  # the batch host, lost: "n1 (why)"
@@ -347,7 +384,7 @@ class SlurmRun(RemoteRun):
         """That the job still pends (once, after timeouts.rendezvous_s), then that it runs."""
         waited = time.monotonic() - self._submitted
         if state.state in ACTIVE_NOT_STARTED:
-            if not self._pending_told and waited > self.job.spec.timeouts.rendezvous_s:
+            if not self._pending_told and waited > self.pending_after_s:
                 self._pending_told = True
                 self.events.message(
                     f"Slurm job {self.job_id} is still {state.state.lower()} after {waited:.0f}s (timeouts.rendezvous_s): "
