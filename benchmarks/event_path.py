@@ -173,7 +173,7 @@ def measure(ranks: int, hosts: int, seconds: float, scratch: Path,
     def make_plan(attempt: int) -> StagePlan:
         return plan_stage(job, nodes, ranks, "cpu", run_dir=run_dir, master_port=29500, backend="sim")
 
-    metrics = Latency("sim", f"bench-{ranks}", "sim")
+    metrics = Latency("sim", f"bench-{ranks}", "sim", None)  # no samples_per_step: steps are the unit
     metrics.start(0)
     watcher = TeeEvents(metrics)
     slow = ranks - 1

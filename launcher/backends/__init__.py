@@ -121,7 +121,8 @@ def choose(job: LoadedJob, *, backend: str | None, address: str | None) -> Stage
     cls = submitter_class(name) if name in _SUBMITTERS else None
     if address and (cls is None or not cls.takes_address):
         takers = " or ".join(f"--backend {n}" for n in _address_takers())
-        raise LauncherError(f"--address: submits to a cluster, but the backend is {name} (use {takers or 'a backend whose submitter takes one'})",
+        kinds = " or ".join(dict.fromkeys(submitter_class(n).address_kind for n in _address_takers())) or "a cluster"
+        raise LauncherError(f"--address: submits to {kinds}, but the backend is {name} (use {takers or 'a backend whose submitter takes one'})",
                             exit_code=EXIT_BAD_INPUT)  # fmt: skip
     if cls is None:
         return engine(name)

@@ -57,6 +57,10 @@ DRAIN_WAIT_S = 0.5
 RELAY_BATCH_S = 0.25  # a node's relay answers at most this often (a torchrun agent forwards every 0.25 s)
 RELAY_START_S = 20.0  # a relay with no answer by then (not scheduled: its node drained, say): a drain per rank there
 NODE_DRAIN_CHECK_S = 1.0  # how often a running stage asks the GCS whether one of its nodes is being drained
+# The ranks' last words at a stage's end: a bound, not a wait (the drains answer as soon as they
+# have them). A relay answers after its stream's current interval and its ranks' last drains
+# (NodeRelay.FINAL_WAIT_S); on a loaded machine that took over the 2 s this was, and the last lines were lost.
+FINAL_DRAIN_S = 10.0
 EVIDENCE_TIMEOUT_S = 30.0  # a task per node: py-spy per rank, the ranks' own accounts (3 s)
 _log = logging.getLogger(__name__)
 
@@ -548,7 +552,7 @@ class RayStage(StageHandle):
 
     def _pump_logs(self, final: bool = False) -> None:
         self._pump_relays(final)
-        for rank, ref in _take_ready(self._drains, timeout_s=2.0 if final else 0):
+        for rank, ref in _take_ready(self._drains, timeout_s=FINAL_DRAIN_S if final else 0):
             try:
                 drained = ray.get(ref)
             except RayError:
@@ -565,7 +569,7 @@ class RayStage(StageHandle):
 
     def _pump_relays(self, final: bool = False) -> None:
         """Each node's answers: every line and new beacon of its ranks (at the end, its last drain too)."""
-        last = _take_ready(self._relay_drains, timeout_s=2.0) if final else []
+        last = _take_ready(self._relay_drains, timeout_s=FINAL_DRAIN_S) if final else []
         streams = list(self._relay_streams)
         ready: list[Any] = ray.wait(streams, num_returns=len(streams), timeout=0)[0] if streams else []
         for stream in ready:

@@ -225,7 +225,7 @@ class NodeRelay:
 
     INNER_WAIT_S = 1.0  # a rank's drain returns at once with lines, else after this: re-asked
     CHECK_S = 0.05  # once an answer is due, how often the beacon files are looked at for news
-    FINAL_WAIT_S = 1.0  # the last words of every rank, at the stage's end
+    FINAL_WAIT_S = 5.0  # the last words of every rank, at the stage's end (a bound: it returns once all have answered)
 
     def __init__(self, ranks: dict[int, Any]) -> None:
         self.actors = dict(ranks)  # rank -> its RankActor's handle
@@ -304,7 +304,9 @@ class NodeRelay:
                     ref = actor.drain.remote(0.0, False)
                     self.inflight[ref] = rank
                     refs.append(ref)
-        self._collect(self.FINAL_WAIT_S, refs)
+        # every drain in flight too: one asked before may hold a rank's last lines (it answers
+        # within INNER_WAIT_S), and a loaded node answers late, not never
+        self._collect(self.FINAL_WAIT_S, list(self.inflight))
 
     def _beacons(self) -> dict[int, dict[str, Any]]:
         """The beacons rewritten since last sent (a beacon is replaced by a rename: a new inode)."""

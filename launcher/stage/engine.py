@@ -169,6 +169,7 @@ class Submitter(ABC):
     name: ClassVar[str] = "base"
     # where it submits is an address (``--address``, ``run_job(address=)``): a run given one goes to it
     takes_address: ClassVar[bool] = False
+    address_kind: ClassVar[str] = "a cluster"  # what its --address names, in messages ("a Ray cluster")
     # what the launcher inside the scheduler's job needs besides the launcher's own dependencies
     # (checked, one line and exit 2, before anything else is imported there)
     needs: ClassVar[tuple[str, ...]] = ()

@@ -53,6 +53,7 @@ _RESULT_KEYS = ("job", "status", "stages", "ranks")  # what a result.json that c
 class RayJobsSubmitter(Submitter):
     name = "ray"
     takes_address = True  # the cluster's dashboard: --address, or the spec's ray.address
+    address_kind = "a Ray cluster"
     needs = ("ray",)
     usage = inside.USAGE
 
