@@ -16,9 +16,7 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -35,22 +33,6 @@ TINY = [
     "--set", "params.sizes=[64]", "--set", "params.iters=3", "--set", "params.warmup=1",
 ]  # fmt: skip
 HANG_GUARD_S = 240
-
-
-def steady_rank(ctx: Any) -> dict[str, Any]:
-    """The steady job's entrypoint: say where it runs (its pid, in a file outside the run root),
-    then step like a training loop until stopped."""
-    import torch
-    import torch.distributed as dist
-
-    out = Path(ctx.params["out"])
-    (out / f".rank{ctx.rank}").write_text(json.dumps({"pid": os.getpid(), "host": ctx.host}))
-    os.replace(out / f".rank{ctx.rank}", out / f"rank{ctx.rank}.json")
-    value = torch.ones(1)
-    while True:
-        dist.all_reduce(value)
-        ctx.metrics.step()
-        time.sleep(0.1)
 
 
 STARTED: list[str] = []  # run ids this module detached: their entries in ~/.gpulaunch/detached go at the end
@@ -86,7 +68,7 @@ def _steady(cluster: NetnsCluster, tmp: Path) -> tuple[Path, Path, Path]:
     pids.mkdir()
     spec = {
         "name": "steady",
-        "entrypoint": "tests.cluster.test_detach_ssh:steady_rank",
+        "entrypoint": "tests.cluster.steady_job:run",
         "params": {"out": str(pids)},
         "resources": {"nodes": 2, "cpu_workers": 1},
         "env": {"PYTHONPATH": str(REPO)},

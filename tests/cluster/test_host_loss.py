@@ -10,7 +10,6 @@ and ranks once it has heard nothing for as long. Each host's run directory is it
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -26,28 +25,12 @@ pytestmark = pytest.mark.slow
 SILENCE_S = 5.0  # the launcher's default heartbeat_timeout_s
 
 
-def steady_rank(ctx: Any) -> dict[str, Any]:
-    """The job's entrypoint: say where it runs, then step like a training loop (an all-reduce
-    and a short sleep per step) until stopped."""
-    import torch
-    import torch.distributed as dist
-
-    out = Path(ctx.params["out"])
-    (out / f".rank{ctx.rank}").write_text(json.dumps({"pid": os.getpid(), "host": ctx.host}))
-    os.replace(out / f".rank{ctx.rank}", out / f"rank{ctx.rank}.json")
-    value = torch.ones(1)
-    while True:
-        dist.all_reduce(value)
-        ctx.metrics.step()
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def steady_job(netns_cluster: NetnsCluster, tmp_path: Path):
     (tmp_path / "pids").mkdir()
     spec = {
         "name": "steady",
-        "entrypoint": "tests.cluster.test_host_loss:steady_rank",
+        "entrypoint": "tests.cluster.steady_job:run",
         "params": {"out": str(tmp_path / "pids")},
         "resources": {"nodes": 3, "cpu_workers": 1},
         "env": {"PYTHONPATH": str(REPO)},

@@ -27,22 +27,7 @@ from tests.slurm.slurmrig import SlurmRig
 
 pytestmark = pytest.mark.slow
 
-HOLDER = '''
-import os
-import time
-
-
-def run(ctx):
-    """Steps (one every 50 ms) until params.release exists, saying so now and then."""
-    n = 0
-    while not os.path.exists(ctx.param("release")):
-        n += 1
-        time.sleep(0.05)
-        ctx.metrics.step()
-        if n % 20 == 0:
-            print(f"holder: rank {ctx.rank} step {n}", flush=True)
-    return {"steps": n}
-'''
+HOLDER = (REPO / "tests" / "holder_job.py").read_text()  # the job's own code, shipped with it
 
 
 class User:
