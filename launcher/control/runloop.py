@@ -27,7 +27,7 @@ from launcher.masking import scrub_files, secret_values
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import HOST_LOST, STOP_NOTICE_SIGNAL, RankProgress, RankReport, is_peer_loss
 from launcher.policies import FailureClass
-from launcher.records import AttemptRecord, BackendName, Failure, FailureReason, HangDiagnosis, RunStatus, StageOutcome
+from launcher.records import AttemptRecord, Failure, FailureReason, HangDiagnosis, RunStatus, StageOutcome
 from launcher.stage.engine import HandleStatus, StageEngine, StageHandle
 from launcher.stage.logrouting import LogRouter
 from launcher.stage.plan import StagePlan
@@ -174,7 +174,7 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
     progress = AttemptProgress.of(state.beacons)
     outcome = StageOutcome(plan.world_size, fate, t0, time.time(), script=plan.script_mode, reports=reports, stragglers=stragglers.flagged)
     if fate == RunStatus.INTERRUPTED and (watch.noticed or noticed):
-        outcome.failure = _preempted(stop.reason or ", ".join(noticed), progress, plan)
+        outcome.failure = _preempted(stop.reason or ", ".join(noticed), progress, engine.after_a_notice(plan))
     elif watch.hang is not None:
         culprits = tuple(c.rank for c in watch.hang.culprits)
         outcome.failure = Failure(FailureReason.HUNG, watch.hang.summary, stuck_ranks=culprits, hang=watch.hang)
@@ -188,10 +188,9 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
     return outcome, progress
 
 
-def _preempted(reason: str, progress: AttemptProgress, plan: StagePlan) -> Failure:
-    """A stop the job was told of first: where it got to, and how to go on."""
+def _preempted(reason: str, progress: AttemptProgress, then: str) -> Failure:
+    """A stop the job was told of first: where it got to, and how to go on (``then``: the engine's words)."""
     saved = f"its last checkpoint is step {progress.checkpoint_step}" if progress.checkpoint_step is not None else "it saved no checkpoint"
-    then = "its Slurm job requeues itself when it saved progress" if plan.backend == BackendName.SLURM else f"continue with: launch resume {plan.stage_dir.parent}"
     summary = f"stopped after a notice ({reason}): {saved}; {then}"
     return Failure(FailureReason.INTERRUPTED, summary, failure_class=FailureClass.PREEMPTED)
 

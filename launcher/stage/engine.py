@@ -134,6 +134,11 @@ class StageEngine(ABC):
         """Start every process of the plan and return without waiting for them (BackendError
         when it cannot start, after stopping whatever it started)."""
 
+    def after_a_notice(self, plan: StagePlan) -> str:
+        """How a run stopped after a notice goes on, in the words the summary ends with: by
+        default ``launch resume`` of its run directory (a scheduler's engine may requeue itself)."""
+        return f"continue with: launch resume {plan.stage_dir.parent}"
+
 
 @dataclass(frozen=True)
 class JobInfo:

@@ -20,9 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONTROL = REPO / "launcher" / "control"
 ENGINES = ("ray", "slurm", "ssh", "torchrun")
 # still naming an engine, in files this change left to their owners (issue 34 item 1, what is left):
-# the run loop's resume hint, the planner's Ray placement, the SSH detach's runner (in progress)
+# the planner's Ray placement, the SSH detach's runner
 KNOWN: dict[str, set[str]] = {
-    "runloop.py": {"BackendName.SLURM"},
     "planning.py": {".ray"},
     "remote_runs.py": {"from launcher.backends.ssh import ...", "BackendName.TORCHRUN"},
 }

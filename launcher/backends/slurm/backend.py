@@ -107,6 +107,9 @@ class SrunEngine(TorchrunEngine):
     def pool_nodes(self, job: LoadedJob) -> list[NodeTarget]:
         return allocation_nodes(job)
 
+    def after_a_notice(self, plan: StagePlan) -> str:
+        return "its Slurm job requeues itself when it saved progress"
+
     def transport(self, node: NodeSlot) -> Transport:
         return SRUN
 
