@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 if TYPE_CHECKING:
     import psutil
@@ -235,12 +235,19 @@ def stage_worker_pids(stage_dir: str | Path) -> dict[int, int]:
     pids = {}
     for beacon in (stage / "progress").glob("rank*.json"):
         data = read_json(beacon) or {}
-        pid, started = data.get("pid"), data.get("pid_start")
-        # the start time first: a rank that is gone (the usual case) is told without psutil
-        if isinstance(pid, int) and pid != os.getpid() and started is not None and process_start_ticks(pid) == started:
-            if pid_alive(pid):
-                pids[int(beacon.stem[len("rank"):])] = pid
+        if beacon_process_alive(data):
+            pids[int(beacon.stem[len("rank"):])] = data["pid"]
     return pids
+
+
+def beacon_process_alive(beacon: Mapping[str, Any]) -> bool:
+    """Whether the process a beacon names still runs: its ``pid`` with the start time it recorded
+    (``pid_start``: a reused pid has another), not a zombie, and not this process."""
+    pid, started = beacon.get("pid"), beacon.get("pid_start")
+    # the start time first: a rank that is gone (the usual case) is told without psutil
+    if not isinstance(pid, int) or pid == os.getpid() or started is None or process_start_ticks(pid) != started:
+        return False
+    return pid_alive(pid)
 
 
 def kill_now(pids: list[int], wait_s: float = 5.0) -> None:

@@ -14,7 +14,8 @@ after its workers ended, the SSH host wrapper after its teardown, its ``fetch``)
 :func:`settle`: a beacon whose count is behind the counter is rewritten with the counter's
 count, so every path that carries beacons to the launcher (the live channel, a fetch, this
 machine's disk) carries the exact count. A rank that wrote no counter (stopped before its first
-import finished) keeps its beacon as it was. Standard library only: it runs in every agent.
+import finished) keeps its beacon as it was. Light: it runs in every agent (psutil only to ask
+whether a rank whose start time still matches is a zombie).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from launcher.procutil import process_start_ticks, read_json, write_json_atomic
+from launcher.procutil import beacon_process_alive, read_json, write_json_atomic
 from launcher.protocol import StagePaths
 
 COUNTER_BYTES = 8
@@ -79,19 +80,6 @@ def read_steps(path: str | os.PathLike[str]) -> int | None:
     return int.from_bytes(data, sys.byteorder, signed=True)
 
 
-def _alive(beacon: dict) -> bool:
-    """Whether the beacon's process still runs (its pid with the start time it recorded)."""
-    pid, started = beacon.get("pid"), beacon.get("pid_start")
-    if not isinstance(pid, int) or pid == os.getpid() or started is None or process_start_ticks(pid) != started:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc to ask: it has the same start time, so it is the same process
-    return state not in ("Z", "X")  # a zombie counts no more
-
-
 def settle(paths: StagePaths, ranks: Iterable[int]) -> dict[int, int]:
     """Rewrite the beacon of each of ``ranks`` whose process is gone and whose counter is ahead
     of it, with the counter's count (stamped now: the count holds at this time). Returns rank ->
@@ -109,7 +97,7 @@ def settle(paths: StagePaths, ranks: Iterable[int]) -> dict[int, int]:
         known = beacon.get("steps")
         if isinstance(known, int) and not isinstance(known, bool) and known >= steps:
             continue  # the rank's own last beacon said it already
-        if _alive(beacon):
+        if beacon_process_alive(beacon):
             continue  # still counting: its own beacon will say it
         beacon["steps"] = steps
         beacon["t"] = max(time.time(), float(beacon["t"]) if isinstance(beacon.get("t"), (int, float)) else 0.0)
