@@ -390,7 +390,7 @@ def test_the_submitter_follows_a_requeued_job_to_its_next_allocation(tmp_path, m
     monkeypatch.setattr(commands, "squeue_state", lambda job_id: commands.JobState(job_id, next(states), "", "n[1-2]", "n1"))
     monkeypatch.setattr(commands, "job_record", lambda job_id: {"Restarts": str(restarts["n"])})
     told = _Told()
-    run = SlurmRun(loaded, "7", tmp_path, told)
+    run = SlurmRun(loaded, "7", tmp_path, told, pending_after_s=loaded.spec.timeouts.rendezvous_s)
     reader = WireReader(told, "slurm")
     assert run.ended(reader) is None and told.said == ["Slurm job 7 is running on n[1-2] (batch host n1)"]
     reader.feed_line('@gpulaunch {"event":"finished","job":"tiny","status":"interrupted"}')

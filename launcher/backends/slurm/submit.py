@@ -175,7 +175,7 @@ class SlurmSubmitter(Submitter):
                 data = {"job": job.spec.name, "run_id": submission.run_id, "backend": "slurm", "status": "pending", "job_id": job_id,
                         "run_dir": str(run_dir), "hint": hint}  # fmt: skip
                 return RunResult(data, run_dir)
-            result = _follow_job(job, job_id, run_dir, events, signals, stop)
+            result = _follow_job(job, job_id, run_dir, events, signals, stop, pending_after_s=job.spec.timeouts.rendezvous_s)
             assert result is not None  # an interrupt cancels the job: its result
             return result
 
@@ -190,7 +190,7 @@ class SlurmSubmitter(Submitter):
             raise LauncherError(f"Slurm job {job_id} is not a gpulaunch run (no {RECORD_FILE} beside its output {record.get('StdOut', '?')})",
                                 exit_code=EXIT_BAD_INPUT)  # fmt: skip
         spec = yaml.safe_load((run_dir / SPEC_FILE).read_text()) if (run_dir / SPEC_FILE).is_file() else {}
-        pending_after_s = float(((spec or {}).get("timeouts") or {}).get("rendezvous_s") or 300)
+        pending_after_s = float(((spec or {}).get("timeouts") or {}).get("rendezvous_s") or _default_rendezvous_s())
         signals: list[str] = []
         with handling_stop_signals(lambda signum, _frame: signals.append(signal.Signals(signum).name)):
             events.message(f"attached to Slurm job {job_id} ({state.state}); run directory: {run_dir}")
@@ -235,9 +235,16 @@ def _write_run_dir(job: LoadedJob, run_dir: Path, alloc: Allocation, cwd: Path, 
     )
 
 
+def _default_rendezvous_s() -> float:
+    """``timeouts.rendezvous_s`` as the spec's model states it (a run whose spec.yaml lacks it)."""
+    from launcher.spec.model import Timeouts
+
+    return float(Timeouts.model_fields["rendezvous_s"].default)
+
+
 def _follow_job(
     job: LoadedJob | None, job_id: str, run_dir: Path, events: RunEvents, signals: list[str], stop: object | None, *,
-    detach_on_interrupt: bool = False, pending_after_s: float | None = None, restarts: int = 0,
+    pending_after_s: float, detach_on_interrupt: bool = False, restarts: int = 0,
 ) -> RunResult | None:
     """Follow the job over the wire until it has ended (or cancel it on a signal), then its
     result. ``detach_on_interrupt`` (``launch attach``): a signal stops the following only (None)."""
@@ -269,10 +276,10 @@ class SlurmRun(RemoteRun):
     """One submitted job, as the follow loop sees it: its output file, and ``squeue``; through
     every requeue (the same job id, the same output file, the run resumed) to its end."""
 
-    def __init__(self, job: LoadedJob | None, job_id: str, run_dir: Path, events: RunEvents, *, pending_after_s: float | None = None) -> None:
+    def __init__(self, job: LoadedJob | None, job_id: str, run_dir: Path, events: RunEvents, *, pending_after_s: float) -> None:
         self.job, self.job_id, self.run_dir, self.events = job, job_id, run_dir, events
         # how long the job may pend before that is said: timeouts.rendezvous_s
-        self.pending_after_s = pending_after_s if pending_after_s is not None else (job.spec.timeouts.rendezvous_s if job else 300.0)
+        self.pending_after_s = pending_after_s
         self.tail = OutputTail(output_path(run_dir, job_id))
         self.state: commands.JobState | None = None
         self.lost: str | None = None  # the batch host, lost: "n1 (why)"
