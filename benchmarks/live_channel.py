@@ -22,7 +22,8 @@ hop and a process; the drain is one call per actor, answered by the actor's own 
 result crosses Ray's object store whichever node the actor is on.
 
 Since issue 35 a Ray stage's channel is batched per node (one ``NodeRelay`` per node gathers its
-ranks' lines and beacons; one drain per node per interval); ``ray-per-actor`` runs the channel
+ranks' lines and beacons and sends them over one token-authenticated socket to the driver's sink,
+``backends/ray_sink.py``, or over Ray's stream where it cannot connect); ``ray-per-actor`` runs the channel
 before it (``RayStage.relay_per_node = False``) beside it. ``--ray-nodes 2`` runs the Ray rows on
 a real 2-node Ray cluster on this machine (a head and a worker on 127.0.0.1, started and stopped
 by pid as ``tests/ray/conftest.py`` does), the ranks spread over both nodes.

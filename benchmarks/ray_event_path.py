@@ -7,10 +7,11 @@ Ray's channel in place of the agents' pipes: the launcher side is the product's 
 actors are simulated. A few ``SimHost`` actor processes stand for the cluster's nodes and ranks (a
 real 1,024-rank stage is not runnable on one small machine): each answers
 
-  a node's drain       with the product's own ``NodeRelay.drain`` (its answer cadence, what is new
-                       since the last answer), over simulated beacon files: each rank rewrites its
-                       beacon twice a second on its own phase (steps, own work per step, the last
-                       rank slower), read by the relay when it looks, as the real files are
+  a node's answers     with the product's own ``NodeRelay`` (``serve`` over the stage's sink, or
+                       ``stream`` over Ray; ``drain``: its answer cadence, what is new since the
+                       last answer), over simulated beacon files: each rank rewrites its beacon
+                       twice a second on its own phase (steps, own work per step, the last rank
+                       slower), read by the relay when it looks, as the real files are
   a rank's drain       as ``RankActor.drain`` does (``relay_per_node = False``, the channel before
                        relays): no output lines, so it waits its 0.5 s, then its rank's latest beacon
   a rank's run         its report when the stage's time is up (the driver waits on one ``run`` per
@@ -19,8 +20,14 @@ real 1,024-rank stage is not runnable on one small machine): each answers
 The driver's cost per call (submitting it, waiting on it, taking its result) does not depend on
 which process answers it, so the figures are the driver's as a real cluster of that many nodes
 and actors would make them; the relays' own work is on their nodes, here on the same 2 cores
-(part of the machine's load). Both channels are measured per size, interleaved (the order
-alternates per repetition).
+(part of the machine's load). The channels, measured per size, interleaved (the order alternates
+per repetition):
+
+  per_actor            one drain per actor (``relay_per_node = False``), the run calls waited on every turn
+  per_node             a relay per node answering over Ray's streaming generator, the run calls
+                       waited on every turn of the run loop (the product before the sink)
+  per_node_socket      a relay per node answering over the stage's sink (a TCP connection per
+                       node, ``backends/ray_sink.py``), the run calls looked at every ``RUN_CHECK_S`` (the product)
 
 Measured as in ``event_path.py`` (``cpu_core_fraction``: this process's CPU over the live part,
 every thread, Ray's own included; ``latency_s``: from the beacon's timestamp, when its rank wrote
@@ -28,8 +35,9 @@ it, to the endpoint holding it), plus ``driver_calls_per_s`` (drain calls the dr
 
 Goal (issue 35): at 1,024 actors at most 10% of one core, p99 under 1 s.
 
-    python benchmarks/ray_event_path.py                  # 64, 256, 1024 actors, both channels, 20 s each
-    python benchmarks/ray_event_path.py --smoke          # 64 actors, both channels, 6 s
+    python benchmarks/ray_event_path.py                  # 64, 256, 1024 actors, every channel, 20 s each
+    python benchmarks/ray_event_path.py --smoke          # 64 actors, every channel, 6 s
+    python benchmarks/ray_event_path.py --channel per_node --channel per_node_socket --reps 2   # before / after
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from launcher.stage.logrouting import LogRouter  # noqa: E402
 from launcher.stage.plan import StagePlan  # noqa: E402
 
 PROCESSES = 8  # SimHost actor processes standing for the nodes (each serves nodes/8 of them)
-CHANNELS = ("per_actor", "per_node")
+CHANNELS = ("per_actor", "per_node", "per_node_socket")
 BEACON_EVERY_S = 0.5
 
 
@@ -113,6 +121,11 @@ class SimHost:
     async def drain_node(self, node: str, wait_s: float, batch_s: float = 0.0, final: bool = False) -> dict[str, Any]:
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.relays[node].drain, wait_s, batch_s, final)
 
+    async def serve_node(self, node: str, sink: Any, wait_s: float, batch_s: float) -> dict[str, Any]:
+        relay = self.relays[node]
+        relay.sink = sink  # what the product gives its relay at creation
+        return await asyncio.get_running_loop().run_in_executor(self.pool, relay.serve, wait_s, batch_s)
+
     async def stream_node(self, node: str, wait_s: float, batch_s: float) -> Any:
         loop, relay, generation = asyncio.get_running_loop(), self.relays[node], self.generation
         while self.generation == generation:
@@ -158,9 +171,10 @@ class _SimActor:
 
 
 class _SimRelayHandle:
-    def __init__(self, host: Any, node: str) -> None:
+    def __init__(self, host: Any, node: str, sink: Any) -> None:
         self.drain = _Drain(host.drain_node, node)
         self.stream = _Stream(host.stream_node, node)
+        self.serve = _Drain(host.serve_node, node, sink)  # one call for the stage, as the stream
 
 
 class _Stream(_Call):
@@ -174,9 +188,11 @@ class _Stream(_Call):
 class SimRayStage(RayStage):
     """The product's RayStage, its actors simulated (see the module's description)."""
 
-    def __init__(self, plan: StagePlan, logs: LogRouter, hosts: list[Any], seconds: float, slow: int, per_node: bool) -> None:
+    def __init__(self, plan: StagePlan, logs: LogRouter, hosts: list[Any], seconds: float, slow: int, channel: str) -> None:
         super().__init__(plan, logs)
-        self.relay_per_node = per_node
+        self.relay_per_node = channel != "per_actor"
+        self.relay_socket = channel == "per_node_socket"
+        self.run_check_s = ray_backend.RUN_CHECK_S if channel == "per_node_socket" else 0.0
         self.hosts, self.seconds, self.slow = hosts, seconds, slow
 
     def start(self) -> None:
@@ -201,7 +217,7 @@ class SimRayStage(RayStage):
         self._state = "running"
 
     def _make_relay(self, node_id: str, ranks: list[int]) -> Any:
-        return _SimRelayHandle(self.host_of[node_id], node_id)
+        return _SimRelayHandle(self.host_of[node_id], node_id, self._sink.address_for(node_id) if self._sink is not None else None)
 
     def _wait_names_free(self, timeout_s: float) -> None:
         pass  # no named actors
@@ -216,14 +232,14 @@ class SimRayStage(RayStage):
 class SimRayEngine(StageEngine):
     name = "sim"
 
-    def __init__(self, hosts: list[Any], seconds: float, slow: int, per_node: bool) -> None:
-        self.hosts, self.seconds, self.slow, self.per_node = hosts, seconds, slow, per_node
+    def __init__(self, hosts: list[Any], seconds: float, slow: int, channel: str) -> None:
+        self.hosts, self.seconds, self.slow, self.channel = hosts, seconds, slow, channel
 
     def launch_request(self, plan: StagePlan) -> LaunchRequest:
         return LaunchRequest(self.name, (f"{len(plan.nodes)} simulated Ray nodes",))
 
     def start(self, plan: StagePlan, logs: LogRouter) -> StageHandle:
-        stage = SimRayStage(plan, logs, self.hosts, self.seconds, self.slow, self.per_node)
+        stage = SimRayStage(plan, logs, self.hosts, self.seconds, self.slow, self.channel)
         stage.start()
         return stage
 
@@ -240,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SIZES[:1] if args.smoke else tuple(s for s in SIZES if not args.ranks or s[0] in args.ranks)
     seconds = args.seconds or (6.0 if args.smoke else 20.0)
     reps = args.reps or 1
-    variants = [(c, b) for c in (args.channel or CHANNELS) for b in ((args.relay_batch_s or [ray_backend.RELAY_BATCH_S]) if c == "per_node" else [None])]
+    variants = [(c, b) for c in (args.channel or CHANNELS) for b in ((args.relay_batch_s or [ray_backend.RELAY_BATCH_S]) if c != "per_actor" else [None])]
     os.environ.setdefault("GPULAUNCH_PROM_SD_DIR", tempfile.mkdtemp(prefix="gl-sd-"))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # the SimHosts import launcher
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # 127.0.0.1 only
@@ -269,19 +285,19 @@ def main(argv: list[str] | None = None) -> int:
             for ranks, nodes in sizes:
                 for rep in range(reps):
                     for channel, batch_s in variants if rep % 2 == 0 else variants[::-1]:
-                        per_node = channel == "per_node"
+                        per_node = channel != "per_actor"
                         if batch_s is not None:
                             ray_backend.RELAY_BATCH_S = batch_s
                         calls0, answers0 = _Drain.drains, SimRayStage.answers
                         load0 = os.getloadavg()[0]
                         row = measure(ranks, nodes, seconds, Path(tmp) / f"{ranks}-{rep}-{channel}",
-                                      engine=lambda s, slow, pn=per_node: SimRayEngine(hosts, s, slow, pn))  # fmt: skip
+                                      engine=lambda s, slow, ch=channel: SimRayEngine(hosts, s, slow, ch))  # fmt: skip
                         row.update(channel=channel, relay_batch_s=batch_s, rep=rep, load_avg_1m=[round(load0, 2), round(os.getloadavg()[0], 2)],
                                    driver_calls_per_s=round((_Drain.drains - calls0) / row["seconds"], 1),
                                    answers_per_s=round((SimRayStage.answers - answers0 if per_node else _Drain.drains - calls0) / row["seconds"], 1))  # fmt: skip
                         rows.append(row)
                         lat = row["latency_s"]
-                        print(f"{ranks:5d} actors on {nodes:2d} nodes, {channel:9s} {batch_s or '':4}: driver {row['cpu_core_fraction'] * 100:5.1f}% of a core, "
+                        print(f"{ranks:5d} actors on {nodes:2d} nodes, {channel:15s} {batch_s or '':4}: driver {row['cpu_core_fraction'] * 100:5.1f}% of a core, "
                               f"{row['driver_calls_per_s']} calls/s {row['answers_per_s']} answers/s, latency p50 {lat['p50']} s p99 {lat['p99']} s (n={lat['n']}), "
                               f"{row['reports_ok']} reports ok, stragglers {row['stragglers_flagged']}, load {row['load_avg_1m']}", flush=True)  # fmt: skip
     finally:

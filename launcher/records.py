@@ -12,7 +12,8 @@ import enum
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 from launcher.policies import FailureClass
 from launcher.protocol import RankReport
@@ -21,6 +22,10 @@ from launcher.protocol import RankReport
 def new_run_id() -> str:
     """When the run started, and a few random hex digits: sorts by time, unique per machine."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+# the run's one document in its run directory (``launcher.results.store`` writes and reads it)
+RESULT_FILE = "result.json"
 
 
 class BackendName(str, enum.Enum):
@@ -97,6 +102,51 @@ class AttemptRecord:
             "failure_class": self.failure_class.value if self.failure_class else None, "cause": self.cause, "steps": self.steps,
             "resumed_step": self.resumed_step, "checkpoint_step": self.checkpoint_step, "lost_steps": self.lost_steps,
             "restarted": self.restarted, "decision": self.decision,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One lost rank's story where the stage tried recovery in place (``launcher.runtime.inplace``):
+    who died and when, when the survivors saw it, when every rank stepped again, the steps lost;
+    or, where it fell back to the restart path (``in_place`` false), why. Times are the host's
+    clock (one node)."""
+
+    attempt: int  # the group's start it happened in (0: the first)
+    gen: int  # the group's generation it formed (1: the first recovery of that start)
+    in_place: bool  # recovered with the survivors' processes; false: the restart path took it
+    dead_ranks: tuple[int, ...]
+    died_at: float  # the first sign of the loss: a survivor's broken collective, or the keeper's poll
+    detection_s: float | None = None  # death -> the survivors' broken collective
+    recovery_s: float | None = None  # death -> every rank stepping again
+    state_s: float | None = None  # the state sent from a survivor's memory (the replacement's own start included)
+    state_bytes: int | None = None
+    resumed_step: int | None = None  # the completed steps the group went on from
+    steps_lost: int | None = None  # steps done before the death that were done again
+    why: str = ""  # a fallback's reason
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Recovery":
+        def number(key: str) -> float | None:
+            value = data.get(key)
+            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+        def count(key: str) -> int | None:
+            value = data.get(key)
+            return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+        return cls(
+            attempt=int(data.get("attempt") or 0), gen=int(data.get("gen") or 0), in_place=bool(data["in_place"] if "in_place" in data else data.get("path") == "in_place"),
+            dead_ranks=tuple(int(r) for r in data.get("dead_ranks") or ()), died_at=float(data.get("died_at") or 0.0),
+            detection_s=number("detection_s"), recovery_s=number("recovery_s"), state_s=number("state_s"),
+            state_bytes=count("state_bytes"), resumed_step=count("resumed_step"), steps_lost=count("steps_lost"), why=str(data.get("why") or ""),
+        )  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt, "gen": self.gen, "path": "in_place" if self.in_place else "restart", "dead_ranks": list(self.dead_ranks),
+            "died_at": self.died_at, "detection_s": self.detection_s, "recovery_s": self.recovery_s, "state_s": self.state_s,
+            "state_bytes": self.state_bytes, "resumed_step": self.resumed_step, "steps_lost": self.steps_lost, "why": self.why,
         }  # fmt: skip
 
 
@@ -379,3 +429,47 @@ class PreflightRecord:
         from dataclasses import asdict
 
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class AsSubmitted:
+    """A submitted run as it was handed over: what a result made without the launcher inside
+    records of it (its spec as shown, with secrets masked; the spec's fingerprint; the params)."""
+
+    spec: Mapping[str, Any]
+    spec_hash: str
+    params: Mapping[str, Any]
+    at: float | None  # when it was submitted (None: not recorded)
+
+
+@dataclass(frozen=True)
+class SubmittedRun:
+    """What a submitter hands back for a run it handed to a scheduler (``Submitter.submit_run``,
+    ``attach_run``): where the run's record landed on this machine and how the scheduler saw the
+    job end. The results layer makes the run's result from it (``launcher.results.handed_back``):
+    the ``result.json`` the launcher inside wrote, completed with the scheduler's words, or one
+    made from them where the launcher inside wrote none. A submitter reads and writes no result."""
+
+    backend: str
+    job: str
+    run_id: str
+    run_dir: Path | None  # the run directory on this machine (None: nothing came back from the cluster)
+    job_id: str = ""  # the scheduler's id of the job
+    scheduler_address: str = ""  # where the scheduler is, where it has one (a Ray dashboard)
+    # submitted and not followed (``--detach``): how to follow it; the result says ``pending``
+    pending_hint: str | None = None
+    state: str = ""  # the scheduler's last word on the job (COMPLETED, STOPPED, NODE_FAIL, ...)
+    said_error: str | None = None  # the last ``error:`` line the launcher inside wrote, where one was seen
+    brought_back: bool = False  # the run directory came back from the cluster: its result says where it is now
+    stale_before: float | None = None  # a result finished before this (wall clock) is an earlier allocation's
+    # why the job ended, in the scheduler's words, should the launcher inside have written no
+    # result (None: the scheduler cannot say; the submitter explains the missing result itself)
+    ended_without: Failure | None = None
+    # stopped from here (a signal, a stop request): the result's failure says so in these words
+    interrupted: Failure | None = None
+    # requeued and stopped before it ran again: interrupted, whatever the allocation before wrote
+    interrupted_before_rerun: bool = False
+    # the scheduler's own record of the job, kept in result.json under the backend's name
+    scheduler: Mapping[str, Any] = field(default_factory=dict)
+    # what a result made here (``ended_without``) records of the run (None: nothing, or not known)
+    submitted: AsSubmitted | None = None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ContextManager, Mapping, Union
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.spec import model as _spec
 from launcher.spec.validation import did_you_mean
-from launcher.stage.engine import StageEngine, Submitter
+from launcher.stage.engine import Detacher, StageEngine, Submitter
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -41,21 +41,29 @@ _SUBMITTERS: dict[str, Target] = {
     "ray": "launcher.backends.ray_jobs:RayJobsSubmitter",
     "slurm": "launcher.backends.slurm.submit:SlurmSubmitter",
 }
+# the engines whose run loop a cluster file's controller host runs (``--cluster FILE --detach``),
+# reached over their transport
+_DETACHERS: dict[str, Target] = {
+    "torchrun": "launcher.backends.ssh.detached:SshDetacher",
+}
 # each engine's settings block in the spec (``NAME: {...}``); the built-in ones are the spec's own
 # ``ray:`` and ``slurm:`` fields
 _SETTINGS: dict[str, Target] = {}
 
 
-def register_engine(name: str, target: Target, *, settings: Target | None = None, submitter: Target | None = None) -> None:
+def register_engine(name: str, target: Target, *, settings: Target | None = None, submitter: Target | None = None, detacher: Target | None = None) -> None:
     """Make ``name`` an engine ``run_job(backend=name)``, ``--backend name`` and a spec's
     ``backend: name`` can use; ``settings``: the pydantic model of its block in the spec
     (``name: {...}``, read with ``job.spec.engine_settings(name)``); ``submitter``: its
-    ``Submitter``, for runs handed to a scheduler (``Submitter.takes_run``)."""
+    ``Submitter``, for runs handed to a scheduler (``Submitter.takes_run``); ``detacher``: its
+    ``Detacher``, for runs whose run loop goes to a cluster file's controller host (``--detach``)."""
     _ENGINES[name] = target
     if settings is not None:
         _SETTINGS[name] = settings
     if submitter is not None:
         _SUBMITTERS[name] = submitter
+    if detacher is not None:
+        _DETACHERS[name] = detacher
 
 
 def register_submitter(name: str, target: Target) -> None:
@@ -105,6 +113,22 @@ def engine(name: str) -> StageEngine:
         hint = f" (expected one of: {', '.join(names())})" if hint.startswith(" (") else hint
         raise LauncherError(f"--backend: unknown backend '{name}'{hint}", exit_code=EXIT_BAD_INPUT)
     return _load(name, _ENGINES[name], "backend")()
+
+
+def detacher_names() -> list[str]:
+    return list(_DETACHERS)
+
+
+def detacher(name: str | None = None) -> Detacher | None:
+    """Engine ``name``'s detacher (None: its run loop stays where ``launch`` runs). Without a name:
+    the one that reaches runs detached to a cluster file's controller host (``launch attach|status|
+    logs|stop|fetch|resume RUN --cluster FILE``), the first registered."""
+    if name is None:
+        name = next(iter(_DETACHERS), None)
+    if name is None or name not in _DETACHERS:
+        return None
+    cls: type[Detacher] = _load(name, _DETACHERS[name], "backend")
+    return cls()
 
 
 def submitter_class(name: str) -> type[Submitter]:

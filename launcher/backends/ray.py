@@ -10,13 +10,15 @@ it down completely at the end; inside a Ray job (``launch --address``, see
 Lifecycle of one stage: ``start`` creates the placement group (gang scheduling: all bundles or
 none) and the named actors ``<job>-rank<k>``; ``poll`` waits for the group within
 ``timeouts.rendezvous_s``, then hands every actor its env and runs it. The stage's live channel is
-Ray's own, batched per node: one ``NodeRelay`` actor on each node of the stage (no CPU reserved)
-gathers its co-located ranks' output lines and beacons, and the launcher makes one call per node,
-a stream (Ray's streaming generator) that brings everything new of all its ranks at most every
-``RELAY_BATCH_S`` and at least every ``DRAIN_WAIT_S``, wherever in the cluster the node is: the launcher's calls
-grow with the nodes, not the ranks (a node whose relay is lost falls back to one ``drain`` per
-actor, the channel before relays). Each ``run`` returns the rank's report. ``stop`` kills the
-actors and relays and removes the group.
+batched per node: one ``NodeRelay`` actor on each node of the stage (no CPU reserved) gathers its
+co-located ranks' output lines and beacons and sends everything new of all of them, at most every
+``RELAY_BATCH_S`` and at least every ``DRAIN_WAIT_S``, over one TCP connection to the stage's
+sink in this process (``ray_sink``: authenticated by a per-stage token, off Ray's object path,
+whose cost per answer was most of the driver's CPU at 1,024 actors); a relay that cannot reach
+the driver answers over Ray instead (a streaming generator), and a node whose relay is lost falls
+back to one ``drain`` per actor, the channel before relays: the launcher's calls grow with the
+nodes, not the ranks. Each ``run`` returns the rank's report (looked at every ``RUN_CHECK_S``:
+how the launcher learns of a dead actor too). ``stop`` kills the actors and relays and removes the group.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ from launcher.procutil import cmdline, descendants, kill_now, pid_alive, process
 from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, STOP_NOTICE_SIGNAL, RankProgress, RankReport
 from launcher.records import RankExit
 from launcher.hardware.devices import GpuInfo, NodeInventory
+from launcher.backends.ray_sink import RelaySink, Taken
 from launcher.runtime.hangdump import gather_as_dicts
 from launcher.runtime.ray_actor import NodeRelay, RankActor
+from launcher.spec.model import RaySettings
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
 from launcher.stage.events import RankBeacon, RankExited, RankReported, RanksLost
 from launcher.stage.logrouting import LogRouter
@@ -56,6 +60,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DRAIN_WAIT_S = 0.5
 RELAY_BATCH_S = 0.25  # a node's relay answers at most this often (a torchrun agent forwards every 0.25 s)
 RELAY_START_S = 20.0  # a relay with no answer by then (not scheduled: its node drained, say): a drain per rank there
+RUN_CHECK_S = 0.25  # how often the ranks' run calls are looked at for a report or a dead actor
 NODE_DRAIN_CHECK_S = 1.0  # how often a running stage asks the GCS whether one of its nodes is being drained
 # The ranks' last words at a stage's end: a bound, not a wait (the drains answer as soon as they
 # have them). A relay answers after its stream's current interval and its ranks' last drains
@@ -324,7 +329,7 @@ class RayEngine(StageEngine):
         return LaunchRequest(
             "ray",
             (
-                f"placement group {plan.job}-world{plan.world_size}: {plan.world_size} x {bundle}, strategy {plan.placement.upper()}",
+                f"placement group {plan.job}-world{plan.world_size}: {plan.world_size} x {bundle}, strategy {_settings(plan).placement.upper()}",
                 *(f"ray actor {plan.job}-rank{r.rank}: launcher.runtime.worker.run_rank in a {plan.pg_backend} process group" for r in plan.ranks),
             ),
             ("local ranks, threads and the rendezvous follow the nodes the placement group chooses",),
@@ -354,6 +359,8 @@ class RayStage(StageHandle):
     """One stage's actors: scheduling (the gang), then running, then stopped."""
 
     relay_per_node = True  # False: one drain per actor, the channel before relays (benchmarks/ray_event_path.py measures both)
+    relay_socket = True  # False: the relays answer over Ray's streams, the channel before the sink
+    run_check_s = RUN_CHECK_S  # 0: every turn, as before
 
     def __init__(self, plan: StagePlan, logs: LogRouter) -> None:
         super().__init__(plan, logs)
@@ -367,6 +374,9 @@ class RayStage(StageHandle):
         self._relay_streams: dict[Any, str] = {}  # a node's stream of answers -> the node id
         self._relay_drains: dict[Any, str] = {}  # a node's last drain at the stage's end -> the node id
         self._relay_silent: dict[str, float] = {}  # node id -> when its relay must have answered
+        self._relay_serves: dict[Any, str] = {}  # a relay's serve call (its answers over the sink) -> the node id
+        self._sink: RelaySink | None = None  # where the relays send their answers (None: over Ray's streams)
+        self._next_run_check = 0.0
         self._node_ranks: dict[str, list[int]] = {}  # node id -> its ranks
         self._stage_dirs: dict[int, str] = {}  # rank -> its files' folder on its node (another node's is its own)
         self._reports: dict[int, RankReport] = {}
@@ -382,7 +392,7 @@ class RayStage(StageHandle):
             raise BackendError("the Ray engine runs inside its session (use launcher.run_job)")
         self.plan.stage_dir.mkdir(parents=True, exist_ok=True)
         bundle = _bundle(self.plan.device_type, self.plan.worker.ranks_per_gpu)
-        strategy = self.plan.placement.upper()
+        strategy = _settings(self.plan).placement.upper()
         self._pg = placement_group([dict(bundle) for _ in self.plan.ranks], strategy=strategy, name=f"{self.plan.job}-world{self.plan.world_size}")
         self._deadline = time.monotonic() + self.plan.worker.rendezvous_timeout_s
         remote_cls = ray.remote(RankActor)
@@ -412,7 +422,12 @@ class RayStage(StageHandle):
             self._poll_scheduling()
         if self._state == "running":
             self._pump_logs()
-            self._poll_runs()
+            if time.monotonic() >= self._next_run_check:
+                # one ray.wait over every rank's run (0.5 ms of CPU at 1,024) as often as a report
+                # or a death needs to be seen, not every turn of the run loop
+                self._next_run_check = time.monotonic() + self.run_check_s
+                self._poll_runs()
+                self._poll_serves()
             self._watch_node_drains()
         if self._state == "failed":
             return HandleStatus(done=True, ok=False, detail=self._failure)
@@ -443,7 +458,7 @@ class RayStage(StageHandle):
         return (
             f"gang scheduling timed out after timeouts.rendezvous_s={self.plan.worker.rendezvous_timeout_s:g}s: "
             f"the Ray cluster could not reserve {n} x {bundle} together (all or nothing, "
-            f"placement {self.plan.placement}); cluster total {total}, available {available}"
+            f"placement {_settings(self.plan).placement}); cluster total {total}, available {available}"
         )
 
     def _launch_runs(self) -> None:
@@ -462,7 +477,10 @@ class RayStage(StageHandle):
         self._state = "running"
 
     def _start_channel(self) -> None:
-        """The live channel: a relay per node (one call per node per interval), or a drain per rank."""
+        """The live channel: a relay per node, the launcher's one call for the node's answers
+        (over the stage's sink, or Ray's stream where there is none), or a drain per rank."""
+        if self.relay_per_node and self.relay_socket:
+            self._sink = self._open_sink()
         for node_id, ranks in self._node_ranks.items():
             relay = None
             if self.relay_per_node:
@@ -470,22 +488,40 @@ class RayStage(StageHandle):
                     relay = self._relays[node_id] = self._make_relay(node_id, ranks)
                 except (RayError, ValueError) as exc:
                     _log.info("no relay on node %s (%s): a drain per rank there", node_id[:12], _first_line(exc))
-            if relay is not None:
-                self._relay_streams[relay.stream.options(num_returns="streaming").remote(DRAIN_WAIT_S, RELAY_BATCH_S)] = node_id
-                self._relay_silent[node_id] = time.monotonic() + RELAY_START_S
-            else:
+            if relay is None:
                 for rank in ranks:
                     self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
+            elif self._sink is not None:
+                self._relay_serves[relay.serve.remote(DRAIN_WAIT_S, RELAY_BATCH_S)] = node_id
+                self._relay_silent[node_id] = time.monotonic() + RELAY_START_S
+            else:
+                self._start_stream(node_id)
+
+    def _open_sink(self) -> RelaySink | None:
+        """The stage's sink, on the address the relays reach this driver at (Ray's address of
+        its node: 127.0.0.1 for an embedded Ray); None (the relays answer over Ray) if it cannot listen."""
+        try:
+            return RelaySink(ray.util.get_node_ip_address())
+        except (OSError, RayError) as exc:
+            _log.info("no sink for the relays (%s): their answers over Ray's streams", _first_line(exc))
+            return None
+
+    def _start_stream(self, node_id: str) -> None:
+        relay = self._relays[node_id]
+        self._relay_streams[relay.stream.options(num_returns="streaming").remote(DRAIN_WAIT_S, RELAY_BATCH_S)] = node_id
+        self._relay_silent[node_id] = time.monotonic() + RELAY_START_S
 
     def _make_relay(self, node_id: str, ranks: list[int]) -> Any:
-        """A ``NodeRelay`` pinned to the node (its ranks' beacon files are there), no CPU reserved."""
+        """A ``NodeRelay`` pinned to the node (its ranks' beacon files are there), no CPU reserved,
+        told the sink's address and the stage's token (at its creation: never sent again)."""
         remote_relay = ray.remote(NodeRelay).options(
             num_cpus=0,
-            max_concurrency=2,  # its stream and the stage's last drain
+            max_concurrency=2,  # its serve (or stream) and the stage's last drain
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        return remote_relay.remote({rank: self._actors[rank] for rank in ranks})
+        sink = self._sink.address_for(node_id) if self._sink is not None else None
+        return remote_relay.remote({rank: self._actors[rank] for rank in ranks}, sink)
 
     @staticmethod
     def _placement(rank: int, probe: dict[str, Any], node_cpus: dict[str, float]) -> RankPlacement:
@@ -519,6 +555,23 @@ class RayStage(StageHandle):
             self._state = "failed"
             bad = sorted(k for k, r in self._reports.items() if not r.ok)
             self._failure = f"rank(s) {bad} failed"
+
+    def _poll_serves(self) -> None:
+        """A relay's serve call that ended: it could not reach the sink (its answers over Ray's
+        stream from now on), its connection broke, or the relay is gone (a drain per rank there)."""
+        for node_id, ref in _take_ready(self._relay_serves):
+            if node_id not in self._relays:
+                continue  # already handed back (its connection closed first)
+            try:
+                served = ray.get(ref)
+            except RayError as exc:
+                self._relay_lost(node_id, False, exc)
+                continue
+            if served.get("connected"):
+                self._relay_lost(node_id, False, ConnectionError(served.get("detail")))
+            else:
+                _log.info("the relay of node %s cannot reach this driver (%s): its answers over Ray", node_id[:12], served.get("detail"))
+                self._start_stream(node_id)
 
     def _watch_node_drains(self) -> None:
         """A node of this stage being drained (the autoscaler's or KubeRay's preemption, a spot
@@ -569,33 +622,68 @@ class RayStage(StageHandle):
 
     def _pump_relays(self, final: bool = False) -> None:
         """Each node's answers: every line and new beacon of its ranks (at the end, its last drain too)."""
-        last = _take_ready(self._relay_drains, timeout_s=FINAL_DRAIN_S) if final else []
+        if final:
+            self._final_relays()
+            return
+        if self._sink is not None:
+            self._take_sink(self._sink.take())
+        if self._relay_streams:
+            self._take_streams(final)
+        if self._relay_silent:
+            now = time.monotonic()
+            for node_id in [n for n, due in self._relay_silent.items() if due < now]:
+                self._relay_lost(node_id, final, TimeoutError(f"no answer within {RELAY_START_S:g}s"))
+
+    def _take_sink(self, taken: Taken, final: bool = False) -> None:
+        for node_id, answer in taken.answers:
+            self._relayed(answer)
+            self._relay_silent.pop(node_id, None)
+        for node_id in taken.closed:
+            if node_id in self._relays and not final:
+                self._relay_lost(node_id, final, ConnectionError("its connection to this driver closed"))
+
+    def _take_streams(self, final: bool) -> None:
         streams = list(self._relay_streams)
-        ready: list[Any] = ray.wait(streams, num_returns=len(streams), timeout=0)[0] if streams else []
+        ready: list[Any] = ray.wait(streams, num_returns=len(streams), timeout=0)[0]
         for stream in ready:
             node_id = self._relay_streams[stream]
             try:
                 self._relayed(ray.get(next(stream)))
             except (StopIteration, RayError) as exc:  # the relay is gone (its node too, or only it)
-                self._relay_lost(stream, node_id, final, exc)
+                self._relay_lost(node_id, final, exc)
             else:
                 self._relay_silent.pop(node_id, None)
-        if self._relay_silent and not final:
-            now = time.monotonic()
-            for stream, node_id in list(self._relay_streams.items()):
-                if self._relay_silent.get(node_id, now) < now:
-                    with contextlib.suppress(Exception):
-                        ray.kill(self._relays[node_id], no_restart=True)
-                    self._relay_lost(stream, node_id, final, TimeoutError(f"no answer within {RELAY_START_S:g}s"))
-        for _node_id, ref in last:
-            with contextlib.suppress(RayError):
-                self._relayed(ray.get(ref))
 
-    def _relay_lost(self, stream: Any, node_id: str, final: bool, exc: BaseException) -> None:
-        """A node whose relay is gone: one drain per rank there, as before relays."""
-        del self._relay_streams[stream]
-        self._relays.pop(node_id, None)
+    def _final_relays(self) -> None:
+        """Each node's last answer (its ranks' last words), after all its relay sent before it.
+        The sink is read meanwhile: a relay whose connection is full sends, then answers."""
+        deadline = time.monotonic() + FINAL_DRAIN_S
+        finals: dict[str, dict[str, Any]] = {}
+        while self._relay_drains and time.monotonic() < deadline:
+            if self._sink is not None:
+                self._take_sink(self._sink.take(), final=True)
+            wait_s = 0.05 if self._sink is not None else max(0.0, deadline - time.monotonic())
+            for node_id, ref in _take_ready(self._relay_drains, timeout_s=wait_s):
+                with contextlib.suppress(RayError):
+                    finals[node_id] = ray.get(ref)
+        if self._sink is not None:
+            sent = {node_id: int(answer.get("seq", 0)) for node_id, answer in finals.items()}
+            self._take_sink(self._sink.wait_for(sent, max(0.0, deadline - time.monotonic())), final=True)
+        if self._relay_streams:
+            self._take_streams(final=True)
+        for answer in finals.values():
+            self._relayed(answer)
+
+    def _relay_lost(self, node_id: str, final: bool, exc: BaseException) -> None:
+        """A node whose relay is gone or cut off: one drain per rank there, as before relays (a
+        relay still alive is killed: it would take its ranks' lines beside their own drains)."""
+        relay = self._relays.pop(node_id, None)
+        for stream in [s for s, n in self._relay_streams.items() if n == node_id]:
+            del self._relay_streams[stream]
         self._relay_silent.pop(node_id, None)
+        if relay is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(relay, no_restart=True)
         live = [r for r in self._node_ranks.get(node_id, []) if r not in self._died and r not in self._reports]
         _log.info("the relay of node %s is gone (%s): a drain per rank there", node_id[:12], _first_line(exc))
         if not final:
@@ -632,6 +720,9 @@ class RayStage(StageHandle):
                     if rank not in self._died and rank not in self._drains.values() and rank not in relayed:
                         self._drains[self._actors[rank].drain.remote(0.0)] = rank
                 self._pump_logs(final=True)
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
         local = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         pids = [p["pid"] for p in self._probes.values() if p["node_id"] == local]
         for actor in (*self._actors, *self._relays.values()):
@@ -737,6 +828,13 @@ def _bundle(device_type: str, ranks_per_gpu: int = 1) -> dict[str, float]:
     """One rank's reservation: a CPU, and its GPU when the job runs on GPUs (a fraction of one,
     1/ranks_per_gpu, where ranks share them: Ray's fractional GPUs)."""
     return {"CPU": 1.0, "GPU": 1.0 / ranks_per_gpu} if device_type == "cuda" else {"CPU": 1.0}
+
+
+def _settings(plan: StagePlan) -> RaySettings:
+    """The spec's ``ray:`` block, as the plan carries it (``StagePlan.engine_settings``)."""
+    settings = plan.engine_settings
+    assert isinstance(settings, RaySettings), "a Ray stage's plan carries the spec's ray: block"
+    return settings
 
 
 __all__ = ["RayEngine", "ray_session", "check_dashboard_exposure"]

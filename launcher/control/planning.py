@@ -242,7 +242,7 @@ def plan_stage(
         run_timeout_s=spec.timeouts.run_s,
         restart=RestartPolicy.of(spec.max_restarts, spec.restart_on, spec.timeouts.on_hang, spec.preemption.grace_s),
         spec_env=spec.env,
-        placement=spec.ray.placement,
+        engine_settings=spec.engine_settings(backend or spec.backend),
         stragglers=StragglerPolicy(spec.monitoring.straggler_factor, spec.monitoring.straggler_hold_s),
         hang=HangPolicy(spec.timeouts.hang_s, spec.timeouts.on_hang),
     )

@@ -1,11 +1,13 @@
-"""Runs that outlive the machine that launched them, over SSH: the launching side.
+"""Runs that outlive the machine that launched them: the launching side.
 
 ``launch JOB --cluster FILE --detach`` checks what it can here (the spec, the cluster file, the
 sizes), then starts the run loop on the cluster's controller host (``controller:`` in the
 cluster file, else its first host) as ``python -m launcher.control.detached_controller run`` in a session
 of its own, and returns with the run id. ``attach`` follows it (the same live view as a
 foreground run: the controller's remote-run wire through one ssh connection), ``stop``,
-``status``, ``logs``, ``fetch`` and ``resume`` find it by its run id on that host.
+``status``, ``logs``, ``fetch`` and ``resume`` find it by its run id on that host. The controller
+host is reached through the registry's detacher (``launcher.backends.detacher``: the engine whose
+run loop it runs, over that engine's transport); no engine is named here.
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ from typing import Any, Callable
 
 import yaml
 
-from launcher.backends.ssh import detached as remote
+from launcher import backends
 from launcher.control.api import resolve
 from launcher.control.nodes import check_cluster_size, cluster_path
 from launcher.control.run_end import masked_spec
 from launcher.control.planning import check_node_split
 from launcher.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, LauncherError
-from launcher.records import BackendName, RunStatus, new_run_id
+from launcher.records import RunStatus, new_run_id
 from launcher.results.store import RunResult
 from launcher.spec.cluster import ClusterConfig, HostConfig, load_cluster
 from launcher.spec.model import LoadedJob
-from launcher.stage.engine import JobInfo, StageEngine
+from launcher.stage.engine import Detacher, JobInfo, StageEngine
 from launcher.stage.watch import RunEvents, TeeEvents
 from launcher.stage.wire import WireReader, readable
 
@@ -43,7 +45,7 @@ class Detached:
     cluster: str = ""  # the cluster file it was started with (``--cluster``, or the spec's ``cluster``)
 
 
-def wants_detached_ssh(job: LoadedJob, *, backend: str | None, cluster: str | None, address: str | None) -> bool:
+def wants_detached(job: LoadedJob, *, backend: str | None, cluster: str | None, address: str | None) -> bool:
     """Whether ``--detach`` means a controller on the cluster: an engine run from here (not a
     scheduler's submitter) on the hosts of a cluster file."""
     if cluster_path(job, cluster) is None:
@@ -55,12 +57,22 @@ def controller_of(cluster: str | Path) -> HostConfig:
     return load_cluster(cluster).controller_host
 
 
+def _remote() -> Detacher:
+    """What reaches a run on a cluster file's controller host (the registry's detacher)."""
+    remote = backends.detacher()
+    if remote is None:
+        raise LauncherError("no engine here runs detached on a cluster's controller host", exit_code=EXIT_BAD_INPUT)
+    return remote
+
+
 def detach(job: LoadedJob, *, backend: str | None, cluster: str | None, out: str, metrics: bool) -> Detached:
     """Check the run here (nothing is started when it would be refused), then start its
     controller on the cluster and return once it runs."""
     runner = resolve(job, backend, cluster, None)
-    if runner.name != BackendName.TORCHRUN.value:
-        raise LauncherError(f"--detach with a cluster file runs the torchrun backend's run loop on the cluster, not {runner.name}", exit_code=EXIT_BAD_INPUT)
+    remote = backends.detacher(runner.name)
+    if remote is None:
+        runs = " or ".join(backends.detacher_names())
+        raise LauncherError(f"--detach with a cluster file runs the {runs} backend's run loop on the cluster, not {runner.name}", exit_code=EXIT_BAD_INPUT)
     path = cluster_path(job, cluster)
     assert path is not None
     config = load_cluster(path)
@@ -97,7 +109,8 @@ def attach(cluster: str, run: str, events: RunEvents) -> int:
     """The run's live view from its start, until it ends (its summary; its exit code). Ctrl-C
     (KeyboardInterrupt) leaves it running: the caller says so."""
     host = controller_of(cluster)
-    reader = WireReader(_OnController(events, host.name), BackendName.TORCHRUN.value)
+    remote = _remote()
+    reader = WireReader(_OnController(events, host.name), remote.engine)
     end: dict[str, Any] | None = None
     with remote.following(host, run, wait=True) as lines:
         for line in lines:
@@ -140,16 +153,17 @@ def _ended(host: HostConfig, run: str, end: dict[str, Any], events: RunEvents, c
 
 
 def status(cluster: str, run: str) -> JobInfo:
-    return remote.job_info(controller_of(cluster), run)
+    return _remote().job_info(controller_of(cluster), run)
 
 
 def stop(cluster: str, run: str, *, wait_s: float = 180.0) -> JobInfo:
-    return remote.stop(controller_of(cluster), run, wait_s=wait_s)
+    return _remote().stop(controller_of(cluster), run, wait_s=wait_s)
 
 
 def logs(cluster: str, run: str, *, follow: bool, rank: int | None, echo: Callable[[str, str], None]) -> None:
     """The controller's output as the run showed it (``host:rank text`` and the launcher's
     words), or one rank's lines (``rank``), to now or (``follow``) until the run ends."""
+    remote = _remote()
     with remote.following(controller_of(cluster), run, wait=follow) as lines:
         for line in lines:
             if remote.end_of(line) is not None:
@@ -164,11 +178,11 @@ def logs(cluster: str, run: str, *, follow: bool, rank: int | None, echo: Callab
 
 
 def fetch(cluster: str, run: str, out: str, say: Callable[[str], None]) -> Path:
-    return remote.fetch(controller_of(cluster), run, Path(out), say=say)
+    return _remote().fetch(controller_of(cluster), run, Path(out), say=say)
 
 
 def resume(cluster: str, run: str) -> Detached:
     """The run's controller started again on its host, resuming the run from its last checkpoints."""
     host = controller_of(cluster)
-    started = remote.resume(host, run)
+    started = _remote().resume(host, run)
     return Detached(str(started["run_id"]), str(started["run_dir"]), host.name, int(started["pid"]))

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from launcher.procutil import read_json, write_json_atomic
-from launcher.records import RunStatus
+from launcher.records import RESULT_FILE, RunStatus
 from launcher.results.run_record import SCHEMA_VERSION, RunRecord
 
-RESULT_FILE = "result.json"
 __all__ = ["SCHEMA_VERSION", "RESULT_FILE", "RunResult", "write_result", "load_result"]
 
 

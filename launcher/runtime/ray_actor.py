@@ -5,8 +5,9 @@ its own output for the launcher to stream, checks that Ray's ``CUDA_VISIBLE_DEVI
 it the GPU it was granted, and then runs the shared per-rank runtime (``launcher.runtime.worker.run_rank``)
 with a step hook that exports step counters and times as Ray metrics for the dashboard. Each
 node of a stage also runs one ``NodeRelay``, which drains its co-located ranks' new output lines
-and reads their beacons, and answers the launcher's one call for the node, so the launcher sees
-every rank live on whichever node it runs (a node without a relay: one ``drain`` per actor).
+and reads their beacons, and sends them to the launcher over one authenticated connection
+(``launcher.runtime.relay_wire``; over Ray where the launcher cannot be reached), so the launcher
+sees every rank live on whichever node it runs (a node without a relay: one ``drain`` per actor).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any, Iterator
 import ray
 
 from launcher import metric_names as names
+from launcher.runtime import relay_wire
+from launcher.runtime.relay_wire import SinkAddress
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import ENV_GRANTED_GPU, ENV_HOST, ENV_RANK_DEVICE, STOP_NOTICE_SIGNAL, RankReport, WorkerConfig
 from launcher.runtime.checkpoint import notify_stop, notify_watching_jobs
@@ -218,17 +221,25 @@ class NodeRelay:
     ``RankActor.drain`` in flight per co-located rank for their output lines (calls inside the
     node, not the launcher's), reads their beacon files itself (they are on this node), and
     answers with everything new of all of them, at most every ``batch_s`` and at least every
-    ``wait_s``: on ``stream``, the launcher's one call for the whole stage (a streaming
-    generator, an answer per interval, nothing to submit each time), and on ``drain`` (the last
-    words at the stage's end). A rank whose actor is gone is left out (the
-    launcher learns of its death from the rank's own ``run`` call, as before)."""
+    ``wait_s``. The answers go over a TCP connection to the launcher's sink (``serve``: the
+    launcher's one call for the whole stage; frames of ``launcher.runtime.relay_wire``, opened with
+    the stage's token), off Ray's object path, whose cost per answer was most of the driver's
+    CPU at 1,024 actors. Where the sink cannot be reached, ``serve`` returns at once and the
+    launcher takes ``stream`` instead (a streaming generator, an answer per interval over Ray).
+    ``drain(final=True)``: the last words at the stage's end. A rank whose actor is gone is left
+    out (the launcher learns of its death from the rank's own ``run`` call, as before)."""
 
     INNER_WAIT_S = 1.0  # a rank's drain returns at once with lines, else after this: re-asked
     CHECK_S = 0.05  # once an answer is due, how often the beacon files are looked at for news
     FINAL_WAIT_S = 5.0  # the last words of every rank, at the stage's end (a bound: it returns once all have answered)
+    CONNECT_S = 5.0  # the sink not reached by then: the launcher takes the stream
 
-    def __init__(self, ranks: dict[int, Any]) -> None:
+    def __init__(self, ranks: dict[int, Any], sink: SinkAddress | None = None) -> None:
         self.actors = dict(ranks)  # rank -> its RankActor's handle
+        self.sink = sink
+        self.frames_sent = 0  # answers sent over the sink's connection (each frame carries its number)
+        self.finished = False  # the final answer is given: nothing more to send
+        self.send_lock = threading.Lock()  # an answer taken is sent before the next (or the final) is taken
         self.inflight: dict[Any, int] = {}
         self.lines: dict[int, list[str]] = {}
         self.paths: dict[int, str] = {}  # rank -> its beacon file, once it runs
@@ -238,6 +249,30 @@ class NodeRelay:
         self.answered = 0.0
         self.lock = threading.Lock()
 
+    def serve(self, wait_s: float, batch_s: float) -> dict[str, Any]:
+        """``drain``'s answers one after the other over the sink's connection, until the final
+        answer (or the relay is killed with its stage). Returns at once, ``connected: False``,
+        where the sink cannot be reached (the launcher takes ``stream``); ``connected: True``
+        once the connection breaks (the launcher sees it close: the relay is lost to it)."""
+        if self.sink is None:
+            return {"connected": False, "detail": "no sink"}
+        try:
+            sock = relay_wire.connect(self.sink, self.CONNECT_S)
+        except OSError as exc:
+            return {"connected": False, "detail": f"cannot reach {self.sink.host}:{self.sink.port}: {exc}"}
+        with contextlib.closing(sock):
+            try:
+                while not self.finished:
+                    with self.send_lock:
+                        if self.finished:
+                            break
+                        answer = self.drain(wait_s, batch_s)
+                        self.frames_sent += 1
+                        sock.sendall(relay_wire.frame({"seq": self.frames_sent, **answer}))
+            except OSError as exc:
+                return {"connected": True, "detail": f"the connection broke: {exc}"}
+        return {"connected": True, "detail": "finished"}
+
     def stream(self, wait_s: float, batch_s: float) -> Iterator[dict[str, Any]]:
         """``drain``'s answers one after the other, until the relay is killed with its stage."""
         while True:
@@ -245,11 +280,14 @@ class NodeRelay:
 
     def drain(self, wait_s: float, batch_s: float = 0.0, final: bool = False) -> dict[str, Any]:
         """``{"lines": {rank: [...]}, "beacons": {rank: {...}}, "dirs": {rank: path}}``: what is
-        new since the last answer. ``final``: every rank asked at once for its last lines."""
-        with self.lock:
-            if final:
+        new since the last answer. ``final``: every rank asked at once for its last lines, after
+        the answer being sent over the sink (``seq``: how many were sent before this one)."""
+        if final:
+            with self.send_lock, self.lock:
+                self.finished = True
                 self._final()
-                return self._answer(self._beacons())
+                return {"seq": self.frames_sent, **self._answer(self._beacons())}
+        with self.lock:
             deadline = time.monotonic() + wait_s
             due = self.answered + batch_s
             while True:

@@ -7,7 +7,12 @@
   on this machine or over SSH, torchrun inside a Slurm allocation (srun), Ray actors.
 - A **submitter** hands a whole run to a scheduler, whose allocation runs the launcher again, and
   follows it over the remote-run wire (``launcher.stage.wire``): submit, follow, status, logs,
-  stop, the final result. Submitters: Ray Jobs, Slurm batch.
+  stop. It hands back the run's record as the scheduler left it (``launcher.records.SubmittedRun``),
+  and the results layer makes the run's result from it (``launcher.results.handed_back``).
+  Submitters: Ray Jobs, Slurm batch.
+- A **detacher** starts a run loop from here on a cluster's controller host, over the engine's own
+  transport, and finds it again by its run id (``launch --cluster FILE --detach``: the torchrun
+  engine over SSH).
 
 A new engine is one module with a ``StageEngine`` subclass and one ``launcher.backends.register``
 call (see docs/architecture.md, "Adding an engine"). Neither seam imports the control side.
@@ -20,14 +25,16 @@ import signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterator, Mapping, Protocol, Sequence
 
-from launcher.errors import EXIT_BAD_INPUT, LauncherError
+from launcher.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, LauncherError
 from launcher.evidence import RankEvidence
+from launcher.records import SubmittedRun
 from launcher.stage.events import StageEvent
 
 if TYPE_CHECKING:
     from launcher.results.store import RunResult
+    from launcher.spec.cluster import HostConfig
     from launcher.spec.model import LoadedJob
     from launcher.stage.logrouting import LogRouter
     from launcher.stage.plan import NodeTarget, StagePlan
@@ -36,6 +43,17 @@ if TYPE_CHECKING:
 # ``launcher.run_job`` as the inside half of a submitted run gets it: the control side passes it in
 # (a submitter imports nothing of the control side)
 RunJob = Callable[..., "RunResult"]
+
+
+class FinishedRun(Protocol):
+    """A run's result as an engine's own watcher reads it (``RunEvents.finished``), without the
+    results layer: its document and status."""
+
+    @property
+    def data(self) -> Mapping[str, Any]: ...
+
+    @property
+    def status(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -168,6 +186,15 @@ class Submission:
     run_id: str
 
 
+def settle_submitted(run: SubmittedRun) -> RunResult | None:
+    """The run's result, made by the results layer from its submitter's record (and written to
+    ``result.json`` once the run has ended); None where no whole result came back and the
+    scheduler cannot say why."""
+    from launcher.results.handed_back import result_of
+
+    return result_of(run)
+
+
 class Submitter(ABC):
     """Hands whole runs to a scheduler that runs the launcher inside its allocation."""
 
@@ -227,18 +254,44 @@ class Submitter(ABC):
     def dry_run(self, submission: Submission) -> tuple[list[LaunchRequest], list[str]]:
         """What would be submitted (one request per plan, or one for the whole run) and notes."""
 
-    @abstractmethod
     def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
         """Submit, follow the run to its end over the remote-run wire (or return once submitted,
-        with ``detach``) and return its result, with the exit code a run from here would have."""
+        with ``detach``) and return its result, with the exit code a run from here would have:
+        the submitter's ``submit_run`` hands back the run's record, the results layer makes the
+        result (and ``result.json``), ``events.finished`` shows it."""
+        return self._result(self.submit_run(submission, events=events, stop=stop, detach=detach), events)
 
     def attach(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> RunResult | None:
+        """Follow a run submitted earlier (``attach_run``) to its end: its result, shown by
+        ``events.finished``; None where the following stopped and the run goes on."""
+        run = self.attach_run(run_or_job_id, out=out, events=events)
+        return None if run is None else self._result(run, events)
+
+    def _result(self, run: SubmittedRun, events: RunEvents) -> RunResult:
+        result = settle_submitted(run)
+        if result is None:
+            raise self.without_result(run)
+        if run.pending_hint is None:
+            events.finished(result)
+        return result
+
+    @abstractmethod
+    def submit_run(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> SubmittedRun:
+        """Submit, follow the run to its end over the remote-run wire (or return once submitted,
+        with ``detach``: ``pending_hint`` set) and hand back its record as the scheduler left it.
+        Reads and writes no result: the results layer makes it from the record."""
+
+    def attach_run(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> SubmittedRun | None:
         """Follow a run submitted earlier (``--detach``, or one whose ``launch`` went away) with
-        the same live view as a foreground run, from its start, to its end: its result (the run
-        directory brought under ``out`` where it is not there already), shown by
-        ``events.finished``. SIGINT and SIGTERM stop the following only, never the run: None.
-        A run that has ended already: its result at once."""
+        the same live view as a foreground run, from its start, to its end: its record (the run
+        directory brought under ``out`` where it is not there already). SIGINT and SIGTERM stop
+        the following only, never the run: None. A run that has ended already: its record at once."""
         raise LauncherError(f"launch attach: the {self.name} scheduler's runs cannot be attached to", exit_code=EXIT_BAD_INPUT)
+
+    def without_result(self, run: SubmittedRun) -> LauncherError:
+        """The error when no whole result came back and ``run.ended_without`` does not say why."""
+        ended = f"ended {run.state}" if run.state else "ended"
+        return LauncherError(f"{self.name} job {run.job_id} {ended} without its result", exit_code=EXIT_JOB_FAILED)
 
     @abstractmethod
     def status(self, job_id: str) -> JobInfo:
@@ -251,3 +304,42 @@ class Submitter(ABC):
     @abstractmethod
     def stop(self, job_id: str) -> JobInfo:
         """Stop the job and wait until it has ended; its final state."""
+
+
+class Detacher(ABC):
+    """Runs that outlive the machine that launched them: the run loop of an engine run from here
+    (``engine``), started on a cluster's controller host over the engine's transport, and found
+    there again by its run id (``launch --cluster FILE --detach``, ``attach``, ``status``,
+    ``logs``, ``stop``, ``fetch``, ``resume``). The control side reaches it through the registry
+    (``launcher.backends.detacher``)."""
+
+    engine: ClassVar[str] = "base"  # the engine whose run loop the controller runs
+
+    @abstractmethod
+    def start(self, host: HostConfig, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Make the run directory on ``host`` and start the controller there; once it runs: its
+        ``run_id``, ``run_dir`` and ``pid``."""
+
+    @abstractmethod
+    def resume(self, host: HostConfig, run: str) -> Mapping[str, Any]:
+        """Start the controller of ``run`` again, resuming its run from its last checkpoints."""
+
+    @abstractmethod
+    def job_info(self, host: HostConfig, run: str) -> JobInfo: ...
+
+    @abstractmethod
+    def stop(self, host: HostConfig, run: str, *, wait_s: float) -> JobInfo:
+        """Stop the controller (it stops the run and writes its result); its final state."""
+
+    @abstractmethod
+    def following(self, host: HostConfig, run: str, *, wait: bool) -> ContextManager[Iterator[str]]:
+        """The controller's output lines (the remote-run wire) from its start; with ``wait``, on
+        until it has ended. Its last line is the end line (``end_of``)."""
+
+    @abstractmethod
+    def end_of(self, line: str) -> dict[str, Any] | None:
+        """The follower's end line, parsed: how the controller ended (None for any other line)."""
+
+    @abstractmethod
+    def fetch(self, host: HostConfig, run: str, out: Path, *, say: Callable[[str], None]) -> Path:
+        """Bring the run directory home, into ``out/<job>/<run-id>``."""

@@ -18,6 +18,8 @@ from launcher.policies import HangPolicy, RestartPolicy, StragglerPolicy
 from launcher.hardware.devices import GpuInfo, NodeInventory
 
 if TYPE_CHECKING:  # pydantic: the plan itself needs none of it
+    from pydantic import BaseModel
+
     from launcher.spec.cluster import HostConfig
 
 
@@ -69,8 +71,8 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage's plan. The spec's settings it carries (``spec_env``, ``placement``, the policies)
-    are values the plan was given: their defaults are the spec model's alone."""
+    """One stage's plan. The spec's settings it carries (``spec_env``, ``engine_settings``, the
+    policies) are values the plan was given: their defaults are the spec model's alone."""
 
     job: str
     backend: str
@@ -85,8 +87,9 @@ class StagePlan:
     run_timeout_s: float
     restart: RestartPolicy
     spec_env: Mapping[str, str]
-    # how a backend that places ranks itself (Ray) spreads them: pack | spread | strict_pack | strict_spread
-    placement: str
+    # the engine's own settings block from the spec (``spec.engine_settings(backend)``), carried
+    # unread: only the engine reads it (None: an engine without one)
+    engine_settings: BaseModel | None
     stragglers: StragglerPolicy
     hang: HangPolicy
 

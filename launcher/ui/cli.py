@@ -70,9 +70,9 @@ def cmd_run(argv: Sequence[str]) -> int:
     if args.dry_run:
         return _print_dry_run(job, args)
     if args.detach:
-        from launcher.control.remote_runs import wants_detached_ssh
+        from launcher.control.remote_runs import wants_detached
 
-        if wants_detached_ssh(job, backend=args.backend, cluster=args.cluster, address=args.address):
+        if wants_detached(job, backend=args.backend, cluster=args.cluster, address=args.address):
             return _detach_over_ssh(job, args)
     from rich.console import Console
 

@@ -40,8 +40,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from launcher import backends
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.protocol import StagePaths
-from launcher.records import RankExit
-from launcher.results.store import RunResult, load_result
+from launcher.masking import mask_env
+from launcher.procutil import read_json
+from launcher.records import RESULT_FILE, AsSubmitted, Failure, FailureReason, RankExit, SubmittedRun
 from launcher.runtime.forwarder import RankForwarder
 from launcher.spec.model import LoadedJob
 from launcher.stage.engine import HandleStatus, JobInfo, LaunchRequest, RunJob, StageEngine, StageHandle, Submission, Submitter
@@ -213,7 +214,7 @@ class SubprocessSubmitter(Submitter):
         request = LaunchRequest(NAME, (f"$ {shlex.join(inside_argv(run_dir))} > {run_dir / OUTPUT} &",))
         return [request], ["planned inside the job, on this machine"]
 
-    def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
+    def submit_run(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> SubmittedRun:
         job = submission.job
         run_dir = submission.out.resolve() / job.spec.name / submission.run_id
         run_dir.mkdir(parents=True)
@@ -226,7 +227,7 @@ class SubprocessSubmitter(Submitter):
         job_id = f"local:{run_dir}"
         events.message(f"submitted {job_id} (pid {proc.pid})")
         if detach:
-            return RunResult({"job": job.spec.name, "status": "pending", "job_id": job_id, "run_dir": str(run_dir)}, run_dir)
+            return SubmittedRun(NAME, job.spec.name, submission.run_id, run_dir, job_id=job_id, pending_hint=f"launch status|logs|stop {job_id}")
         reader = WireReader(events, NAME)
         state = follow(_OutputFile(run_dir, proc.poll), reader, interrupted=lambda: bool(stop), poll_s=0.1)
         if state is None:  # stopped here: the job too
@@ -234,15 +235,16 @@ class SubprocessSubmitter(Submitter):
             reader.feed(_OutputFile(run_dir, proc.poll).new_lines(final=True))
         reader.close()
         proc.wait()
-        data = load_result(run_dir)  # the record the launcher inside wrote: the results layer's document
-        if data is None:
-            data = {"job": job.spec.name, "status": "failed", "failure": {"reason": "not_started", "detail": f"the job exited {proc.returncode}"}}
-        return RunResult(data, run_dir)
+        # the run's record as the "scheduler" left it: the results layer reads the result the
+        # launcher inside wrote, or makes one from why the job ended where it wrote none
+        why = Failure(FailureReason.NOT_STARTED, f"{job_id} exited {proc.returncode} without the launcher inside writing a result")
+        return SubmittedRun(NAME, job.spec.name, submission.run_id, run_dir, job_id=job_id, state=state or "STOPPED", ended_without=why,
+                            submitted=AsSubmitted(_shown_spec(job), job.spec.fingerprint(), dict(job.params), None))  # fmt: skip
 
     def status(self, job_id: str) -> JobInfo:
         run_dir = _run_dir(job_id)
         alive = _alive(run_dir)
-        result = load_result(run_dir) or {}
+        result = read_json(run_dir / RESULT_FILE) or {}
         status = "RUNNING" if alive else str(result.get("status", "ENDED")).upper()
         return JobInfo(job_id, status, terminal=not alive, entrypoint=shlex.join(inside_argv(run_dir)))
 
@@ -268,6 +270,11 @@ class SubprocessSubmitter(Submitter):
         while _alive(run_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
         return self.status(job_id)
+
+
+def _shown_spec(job: LoadedJob) -> dict[str, object]:
+    spec = job.spec.model_dump(mode="json")
+    return {**spec, "env": mask_env(spec["env"])}  # a result made here shows the spec as result.json does: secrets masked
 
 
 def _run_dir(job_id: str) -> Path:

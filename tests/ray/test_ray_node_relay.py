@@ -1,7 +1,8 @@
 """Ray's live channel batched per node (``NodeRelay``): on a real Ray head, three ranks on its one
-node, the launcher makes one drain call per node per interval, and still gets every rank's beacons
-(twice a second, as the ranks write them), every output line in order, each rank's last words
-and every report; a relay that dies hands its node back to one drain per rank without a gap.
+node, the launcher makes one call for the node (its relay's ``serve``, answering over the stage's
+sink), and still gets every rank's beacons (twice a second, as the ranks write them), every
+output line in order, each rank's last words and every report; a relay that dies hands its node
+back to one drain per rank without a gap.
 
 The launcher runs in this process as the head's driver (``ray_driver``); what reaches the run
 loop is read where the stage hands it over (``RayStage.emit``)."""
@@ -34,10 +35,11 @@ class Tap:
         self.beacons: list[tuple[float, RankBeacon]] = []
         self.batches: list[int] = []  # ranks per emit call that carried beacons
         self.relays: list[Any] = []
-        self.shape: tuple[int, int] | None = None
+        self.shape: tuple[int, int, int] | None = None  # (serves, streams, drains) as the channel started
+        self.sink_answers = 0
         self.killed_at: float | None = None
         tap = self
-        emit, start_channel, make_relay = RayStage.emit, RayStage._start_channel, RayStage._make_relay
+        emit, start_channel, make_relay, take_sink = RayStage.emit, RayStage._start_channel, RayStage._make_relay, RayStage._take_sink
 
         def emit_tapped(stage: RayStage, *events: Any) -> None:
             now = time.time()
@@ -56,14 +58,19 @@ class Tap:
 
         def start_tapped(stage: RayStage) -> None:
             start_channel(stage)
-            tap.shape = (len(stage._relay_streams), len(stage._drains))
+            tap.shape = (len(stage._relay_serves), len(stage._relay_streams), len(stage._drains))
 
         def make_tapped(stage: RayStage, node_id: str, ranks: list[int]) -> Any:
             relay = make_relay(stage, node_id, ranks)
             tap.relays.append(relay)
             return relay
 
+        def take_sink_tapped(stage: RayStage, taken: Any, final: bool = False) -> None:
+            tap.sink_answers += len(taken.answers)
+            take_sink(stage, taken, final)
+
         monkeypatch.setattr(RayStage, "emit", emit_tapped)
+        monkeypatch.setattr(RayStage, "_take_sink", take_sink_tapped)
         monkeypatch.setattr(RayStage, "_start_channel", start_tapped)
         monkeypatch.setattr(RayStage, "_make_relay", make_tapped)
 
@@ -112,10 +119,10 @@ def test_one_drain_per_node_brings_every_ranks_beacons_lines_and_reports(ray_dri
     took = time.monotonic() - started
     assert run.status == "succeeded" and run.exit_code == 0, run.data.get("failure")
     assert sorted((r["rank"], r["status"]) for r in result["ranks"]) == [(k, "ok") for k in range(WORLD)]
-    assert tap.shape == (1, 0), "one call (a stream) for the node, no drain per rank"
+    assert tap.shape == (1, 0, 0), "one call (the relay's serve) for the node, no stream, no drain per rank"
     assert len(tap.relays) == 1
-    # one call per node per interval: at most one answer every RELAY_BATCH_S (and the last one)
-    assert len(tap.batches) <= took / RELAY_BATCH_S + 2, (len(tap.batches), took)
+    # one answer per node per interval, all of them over the sink: at most one every RELAY_BATCH_S (and the last ones)
+    assert 0 < len(tap.batches) <= tap.sink_answers + 1 <= took / RELAY_BATCH_S + 3, (len(tap.batches), tap.sink_answers, took)  # +1: the final answer
     assert max(tap.batches) > 1, "the node's answers carry several ranks' beacons at once"
     gaps = tap.gaps()
     assert all(gap <= 0.6 for gap in gaps.values()), gaps  # every beacon of 2 a second

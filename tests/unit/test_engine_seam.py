@@ -15,16 +15,12 @@ from pathlib import Path
 import pytest
 
 from launcher import backends
+from launcher.records import SubmittedRun
+from launcher.stage.engine import Submitter
 
 REPO = Path(__file__).resolve().parents[2]
 CONTROL = REPO / "launcher" / "control"
 ENGINES = ("ray", "slurm", "ssh", "torchrun")
-# still naming an engine, in files this change left to their owners (issue 34 item 1, what is left):
-# the planner's Ray placement, the SSH detach's runner
-KNOWN: dict[str, set[str]] = {
-    "planning.py": {".ray"},
-    "remote_runs.py": {"from launcher.backends.ssh import ...", "BackendName.TORCHRUN"},
-}
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
@@ -75,8 +71,7 @@ def test_the_check_sees_what_it_must() -> None:
 
 @pytest.mark.parametrize("path", sorted(CONTROL.glob("*.py")), ids=lambda p: p.name)
 def test_the_control_side_names_no_engine(path: Path) -> None:
-    found = set(engine_names_in(path.read_text()))
-    assert found - KNOWN.get(path.name, set()) == set()
+    assert engine_names_in(path.read_text()) == []
 
 
 def test_the_engines_are_the_registrys_to_name() -> None:
@@ -84,3 +79,92 @@ def test_the_engines_are_the_registrys_to_name() -> None:
     for name in backends.submitter_names():
         cls = backends.submitter_class(name)
         assert cls.name == name and cls.usage, name  # its inside half, with the arguments it takes
+
+
+def test_each_plan_carries_its_engines_own_settings_block_unread(tmp_path: Path) -> None:
+    """The planner names no engine: a stage's plan carries the spec's block of the engine it is
+    for, as it is (the Ray engine reads its ``placement`` there)."""
+    from launcher.control.planning import make_plans, size_run
+    from launcher.hardware.devices import discover
+    from launcher.spec.model import load_job
+    from launcher.stage.plan import NodeTarget
+
+    spec = tmp_path / "j.yaml"
+    spec.write_text("name: j\nentrypoint: launcher.workloads.matmul:run\nray: {placement: spread}\n")
+    job = load_job(spec)
+    nodes = [NodeTarget(name="n", address="127.0.0.1", inventory=discover(query=lambda: None, env={}), python="python3")]
+    sizing = size_run(job, nodes)
+    (ray_plan,) = make_plans(job, nodes, sizing, run_dir=tmp_path / "run", master_port=0, backend="ray")
+    (torchrun_plan,) = make_plans(job, nodes, sizing, run_dir=tmp_path / "run", master_port=0, backend="torchrun")
+    assert ray_plan.engine_settings is job.spec.ray and ray_plan.engine_settings.placement == "spread"
+    assert torchrun_plan.engine_settings is None  # an engine without a settings block
+
+
+def test_a_detached_run_is_reached_through_the_registry() -> None:
+    """``--cluster FILE --detach``: the control side asks the registry for the engine's detacher."""
+    remote = backends.detacher("torchrun")
+    assert remote is not None and remote.engine == "torchrun" and backends.detacher_names() == ["torchrun"]
+    assert backends.detacher() is not None and backends.detacher("ray") is None  # Ray's run loop is never detached over SSH
+
+
+def _run(tmp_path: Path, **kw: object) -> SubmittedRun:
+    return SubmittedRun("mine", "job", "r1", tmp_path, **kw)  # type: ignore[arg-type]
+
+
+def test_the_results_layer_makes_a_submitted_runs_result_from_its_record(tmp_path: Path) -> None:
+    """A submitter hands back the run's record; the results layer reads what the launcher inside
+    wrote, completes it with the scheduler's words, or makes one where it wrote none."""
+    from launcher.records import Failure, FailureReason
+    from launcher.results.handed_back import result_of
+    from launcher.results.store import load_result, write_result
+
+    pending = result_of(_run(tmp_path, job_id="7", scheduler_address="http://h:1", pending_hint="launch attach 7"))
+    assert pending is not None and pending.data == {"job": "job", "run_id": "r1", "backend": "mine", "status": "pending", "job_id": "7",
+                                                    "run_dir": str(tmp_path), "address": "http://h:1", "hint": "launch attach 7"}  # fmt: skip
+    assert load_result(tmp_path) is None  # a pending run has no result.json yet
+    assert result_of(_run(tmp_path)) is None  # none came back and the scheduler cannot say why: the submitter explains
+    lost = Failure(FailureReason.FAILED, "lost node n1")
+    made = result_of(_run(tmp_path, ended_without=lost, scheduler={"job_id": "7", "state": "NODE_FAIL"}))
+    assert made is not None and made.status == "failed" and made.data["failure"]["summary"] == "lost node n1"
+    assert made.data["mine"] == {"job_id": "7", "state": "NODE_FAIL"} and load_result(tmp_path) == made.data
+    inside = {"job": "job", "run_id": "r1", "status": "interrupted", "finished_at": 100.0, "stages": [], "ranks": [],
+              "failure": {"reason": "interrupted", "summary": "SIGTERM"}, "run_dir": "/cluster/job/r1"}  # fmt: skip
+    write_result(tmp_path, inside)
+    stopped = Failure(FailureReason.INTERRUPTED, "interrupted (SIGINT; job 7 cancelled)")
+    kept = result_of(_run(tmp_path, ended_without=lost, interrupted=stopped, brought_back=True, stale_before=50.0))
+    assert kept is not None and kept.data["failure"] == {"reason": "interrupted", "summary": "interrupted (SIGINT; job 7 cancelled)"}
+    assert kept.data["run_dir"] == str(tmp_path)  # brought back: where it is now
+    write_result(tmp_path, inside)
+    stale = result_of(_run(tmp_path, ended_without=lost, stale_before=200.0))  # an earlier allocation's result
+    assert stale is not None and stale.status == "failed" and stale.data["failure"]["summary"] == "lost node n1"
+
+
+def test_a_submitter_says_why_no_result_came_back(tmp_path: Path) -> None:
+    from launcher.errors import LauncherError
+    from launcher.stage.watch import RunEvents
+
+    class Mine(Submitter):
+        name = "mine"
+
+        @classmethod
+        def claims(cls, job_id: str, address: str | None) -> bool:
+            return False
+
+        def dry_run(self, submission):  # type: ignore[no-untyped-def]
+            return [], []
+
+        def submit_run(self, submission, *, events, stop, detach):  # type: ignore[no-untyped-def]
+            return SubmittedRun("mine", "job", "r1", None, job_id="7", state="FAILED")
+
+        def status(self, job_id):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def logs(self, job_id, *, follow, echo):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def stop(self, job_id):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+    with pytest.raises(LauncherError, match="mine job 7 ended FAILED without its result") as caught:
+        Mine().submit(None, events=RunEvents(), stop=None, detach=False)  # type: ignore[arg-type]
+    assert caught.value.exit_code == 1

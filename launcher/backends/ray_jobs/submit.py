@@ -35,7 +35,7 @@ from launcher.backends.ray_jobs.workdir import Shipment, materialize, select
 from launcher.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, LauncherError, PlanError
 from launcher.procutil import handling_stop_signals
 from launcher.protocol import ENV_RAY_CONNECT
-from launcher.results.store import RunResult, load_result, write_result
+from launcher.records import SubmittedRun
 from launcher.stage.engine import JobInfo, LaunchRequest, RunJob, Submission, Submitter
 from launcher.stage.plan import NodeTarget
 from launcher.stage.wire import RemoteRun, WireReader, follow, readable
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 SPEC_FILE = "_gpulaunch_job.yaml"
 ENTRYPOINT_MODULE = "launcher.control.submitted"
 STOP_WAIT_S = 30.0  # how long an interrupted launch waits for its Ray job to stop
-_RESULT_KEYS = ("job", "status", "stages", "ranks")  # what a result.json that came back whole has
 
 
 class RayJobsSubmitter(Submitter):
@@ -111,7 +110,7 @@ class RayJobsSubmitter(Submitter):
             notes.append(f"would not be submitted: {exc}")
         return requests, notes
 
-    def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
+    def submit_run(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> SubmittedRun:
         """Submit, follow the job's log to its end, bring its run directory back under ``out``;
         with ``detach``, return once submitted (``launch attach RUN --address URL`` follows it)."""
         job, address = submission.job, check_address(self.address)
@@ -128,14 +127,12 @@ class RayJobsSubmitter(Submitter):
                 if detach:
                     hint = (f"run {submission.run_id} (Ray job {job_id}) goes on on the cluster; follow it: launch attach {submission.run_id} "
                             f"--address {address}  (Ctrl-C leaves it running)\n  launch status|logs|stop {submission.run_id} --address {address}")  # fmt: skip
-                    data = {"job": job.spec.name, "run_id": submission.run_id, "backend": self.name, "status": "pending", "job_id": job_id,
-                            "run_dir": str(run_dir), "address": address, "hint": hint}  # fmt: skip
-                    return RunResult(data, run_dir)
-                result = self.follow(job_id, Path(submission.out), events, on_interrupt="stop", signals=signals, stop=stop)
-                assert result is not None  # "stop": an interrupt stops the job, and its result comes back
-                return result
+                    return SubmittedRun(self.name, job.spec.name, submission.run_id, run_dir, job_id=job_id, scheduler_address=address, pending_hint=hint)
+                run = self.follow(job_id, Path(submission.out), events, on_interrupt="stop", signals=signals, stop=stop)
+                assert run is not None  # "stop": an interrupt stops the job, and its record comes back
+                return run
 
-    def attach(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> RunResult | None:
+    def attach_run(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> SubmittedRun | None:
         """Follow a submitted job (its run id or its submission id) as a foreground ``--address``
         run does after submitting, from its start; SIGINT or SIGTERM leave it running (None)."""
         address = check_address(self.address)
@@ -147,10 +144,10 @@ class RayJobsSubmitter(Submitter):
 
     def follow(
         self, job_id: str, out: Path, events: RunEvents, *, on_interrupt: str, signals: list[str], stop: object | None = None
-    ) -> RunResult | None:
+    ) -> SubmittedRun | None:
         """The job's wire, followed to its end, its run directory brought back under ``out``: its
-        result. Interrupted (a signal in ``signals``, or ``stop``): ``on_interrupt`` "stop" stops
-        the job and waits for it (its result); "detach" leaves it running (None)."""
+        record. Interrupted (a signal in ``signals``, or ``stop``): ``on_interrupt`` "stop" stops
+        the job and waits for it (its record); "detach" leaves it running (None)."""
         address = check_address(self.address)
         jobs = client(address)
         run = RayJobRun(jobs, job_id)
@@ -165,9 +162,19 @@ class RayJobsSubmitter(Submitter):
                                    f"launch stop {run_id} --address {address} stops it)")  # fmt: skip
                     return None
                 state = _stop_after_interrupt(jobs, job_id, signals[0] if signals else "stop request", events, signals, run, reader)
-            return _result(jobs, job_id, state, run, out, address, events)
+            return _brought_back(job_id, state, run, out, address, events)
         finally:
             run.close()
+
+    def without_result(self, run: SubmittedRun) -> LauncherError:
+        """One line (never a traceback) with the job's own exit code when no result came back whole."""
+        jobs = client(check_address(self.address))
+        said = run.said_error or _said_error(job_log_lines(jobs, run.job_id))  # an error before the wire was open: in the job's log
+        why = f": {said}" if said else ""
+        return LauncherError(
+            f"Ray job {run.job_id} ended {run.state} without sending its result back{why} (see: launch logs {run.job_id} --address {run.scheduler_address})",
+            exit_code=EXIT_INTERRUPTED if run.state == "STOPPED" else _exit_code(jobs, run.job_id),
+        )
 
     def status(self, job_id: str) -> JobInfo:
         jobs = client(self.address)
@@ -394,26 +401,17 @@ def _stop_after_interrupt(jobs: Any, job_id: str, signame: str, events: RunEvent
     return "STOPPED"
 
 
-def _result(jobs: Any, job_id: str, state: str, run: RayJobRun, out: Path, address: str, events: RunEvents) -> RunResult:
-    """The run directory the job sent back, under ``out``; one line (never a traceback) with the
-    job's own exit code when none came back whole."""
+def _brought_back(job_id: str, state: str, run: RayJobRun, out: Path, address: str, events: RunEvents) -> SubmittedRun:
+    """The run directory the job sent back, unpacked under ``out`` (None: none came back whole),
+    as the run's record; the results layer checks its result (``without_result`` when none came
+    back whole)."""
     if state != "STOPPED":
         run.new_lines(final=True)  # the bundle is the log's last lines
     run_dir = run.bundle.unpack(out)
-    data = load_result(run_dir) if run_dir is not None else None
-    if run_dir is None or not isinstance(data, dict) or any(k not in data for k in _RESULT_KEYS):
-        said = run.said_error or _said_error(job_log_lines(jobs, job_id))  # an error before the wire was open: in the job's log
-        why = f": {said}" if said else ""
-        raise LauncherError(
-            f"Ray job {job_id} ended {state} without sending its result back{why} (see: launch logs {job_id} --address {address})",
-            exit_code=EXIT_INTERRUPTED if state == "STOPPED" else _exit_code(jobs, job_id),
-        )
-    data = {**data, "run_dir": str(run_dir)}  # where it is now, not the cluster's directory
-    write_result(run_dir, data)
-    _say_what_stayed(run_dir, events)
-    result = RunResult(data, run_dir, tuple(str(run_dir / p) for p in data.get("plots", [])))
-    events.finished(result)
-    return result
+    if run_dir is not None:
+        _say_what_stayed(run_dir, events)
+    job, run_id = (run_dir.parent.name, run_dir.name) if run_dir is not None else ("", "")
+    return SubmittedRun("ray", job, run_id, run_dir, job_id=job_id, scheduler_address=address, state=state, said_error=run.said_error, brought_back=True)
 
 
 def _said_error(lines: list[str]) -> str | None:

@@ -18,12 +18,10 @@ import asyncio
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
+from launcher.stage.engine import FinishedRun
 from launcher.stage.watch import PlainEvents
-
-if TYPE_CHECKING:
-    from launcher.results.store import RunResult
 
 WIRE_PREFIX = "gpulaunch-wire-"
 DRIVER_LOG_PREFIX = "job-driver-"  # Ray's name for a submitted job's log: job-driver-<submission id>.log
@@ -68,7 +66,7 @@ class JobLogEvents(PlainEvents):
     ``host:rank text``, the launcher's words, each stage and the outcome; no progress, no tagged
     line, and not the cluster's result path (the run directory goes back to the submitting side)."""
 
-    def finished(self, result: RunResult) -> None:
+    def finished(self, result: FinishedRun) -> None:
         failure = result.data.get("failure") or {}
         self._print(f"{result.data.get('job')}: {result.status}" + (f": {failure.get('summary')}" if failure else ""))
 

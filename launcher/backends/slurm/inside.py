@@ -34,8 +34,7 @@ def inside_slurm(run_job: RunJob, run_dir: str) -> int:
     is interrupted, resumes the run there."""
     from launcher.backends.slurm.script import EXIT_RESUMABLE, SPEC_FILE
     from launcher.procutil import read_json
-    from launcher.records import RunStatus
-    from launcher.results.store import RESULT_FILE
+    from launcher.records import RESULT_FILE, RunStatus
     from launcher.spec.model import load_job
     from launcher.stage.wire import WireEvents
 

@@ -1,11 +1,10 @@
-"""A submitted run's result once its job has ended: the one the launcher inside wrote, or, when
-it could not write one (its node was lost, the job was cancelled before it ran, the time limit
-came first), one written here from what Slurm says about the job."""
+"""A submitted run's record once its job has ended (``SubmittedRun``): how Slurm saw the job end,
+and, should the launcher inside have written no result (its node was lost, the job was cancelled
+before it ran, the time limit came first), why, in Slurm's words. The results layer makes the run's
+result from it (``launcher.results.handed_back``)."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,54 +14,44 @@ from launcher.backends.slurm import commands
 from launcher.backends.slurm.script import RECORD_FILE, output_path
 from launcher.errors import LauncherError
 from launcher.procutil import read_json
-from launcher.records import Failure, FailureReason
-from launcher.results.aggregate import aggregate
-from launcher.results.store import RunResult, load_result, write_result
-from launcher.stage.watch import RunEvents
+from launcher.records import AsSubmitted, Failure, FailureReason, SubmittedRun
+from launcher.stage.engine import settle_submitted
 
-def finish(
-    run_dir: Path, job_id: str, state: commands.JobState | None, interrupted: str | None, events: RunEvents, *, lost: str | None = None,
+
+def ended_run(
+    run_dir: Path, job_id: str, state: commands.JobState | None, interrupted: str | None = None, *, lost: str | None = None,
     written_after: float | None = None, requeued: bool = False,
-) -> RunResult:
-    """The run's result once its job has ended: the one the launcher inside wrote, else one
-    written here from the job's final state; ``events.finished`` shows it."""
-    data = settle(run_dir, job_id, state, interrupted, lost=lost, written_after=written_after, requeued=requeued)
-    result = RunResult(data, run_dir, tuple(str(run_dir / p) for p in data.get("plots", [])))
-    events.finished(result)
-    return result
+) -> SubmittedRun:
+    """The ended job's record. ``written_after``: when a requeued job was seen running again; a
+    result finished before then is an earlier allocation's, not the last one's. ``requeued``: the
+    job was requeued and did not run again (stopped in the queue): the run was interrupted,
+    whatever the allocation before wrote (its record of stages and ranks is kept)."""
+    reason, summary = explain_end(job_id, state, interrupted, output_path(run_dir, job_id), lost)
+    record = read_json(run_dir / RECORD_FILE) or {}
+    spec = yaml.safe_load((run_dir / "spec.yaml").read_text()) if (run_dir / "spec.yaml").is_file() else {}
+    stopped = None
+    if interrupted and requeued:
+        stopped = Failure(FailureReason.INTERRUPTED, f"interrupted ({interrupted}; Slurm job {job_id} cancelled while requeued, before it ran again)")
+    elif interrupted:
+        stopped = Failure(FailureReason.INTERRUPTED, f"interrupted ({interrupted}; Slurm job {job_id} cancelled)")
+    scheduler = {} if state is None else {"job_id": job_id, "state": state.state, "exit_code": state.exit_code, "nodes": state.nodes,
+                                          "restarts": state.restarts}  # fmt: skip
+    return SubmittedRun(
+        "slurm", str(record.get("job", run_dir.parent.name)), run_dir.name, run_dir, job_id=job_id, state=state.state if state else "",
+        stale_before=written_after, ended_without=Failure(reason, summary), interrupted=stopped, interrupted_before_rerun=requeued,
+        scheduler=scheduler, submitted=AsSubmitted(spec or {}, str(record.get("spec_hash", "")), record.get("params", {}), record.get("submitted_at")),
+    )  # fmt: skip
 
 
 def settle(
     run_dir: Path, job_id: str, state: commands.JobState | None, interrupted: str | None = None, *, lost: str | None = None,
     written_after: float | None = None, requeued: bool = False,
 ) -> dict[str, Any]:
-    """``result.json`` of an ended job, written here when the launcher inside could not.
-    ``written_after``: when a requeued job was seen running again; a result finished before then
-    is an earlier allocation's, not the last one's. ``requeued``: the job was requeued and did
-    not run again (stopped in the queue): the run was interrupted, whatever the allocation
-    before wrote (its record of stages and ranks is kept)."""
-    data = load_result(run_dir)
-    if data is not None and written_after is not None and float(data.get("finished_at") or 0) < written_after:
-        data = None
-    if data is None:
-        reason, summary = explain_end(job_id, state, interrupted, output_path(run_dir, job_id), lost)
-        record = read_json(run_dir / RECORD_FILE) or {}
-        spec = yaml.safe_load((run_dir / "spec.yaml").read_text()) if (run_dir / "spec.yaml").is_file() else {}
-        ended = aggregate(
-            [], job=record.get("job", run_dir.parent.name), run_id=run_dir.name, backend="slurm", spec=spec or {},
-            spec_hash=record.get("spec_hash", ""), params=record.get("params", {}), started_at=record.get("submitted_at", time.time()),
-            cut_short=Failure(reason, summary),
-        )  # fmt: skip
-        data = replace(ended, run_dir=str(run_dir)).to_dict()
-    elif interrupted and requeued and data.get("status") != "succeeded":
-        summary = f"interrupted ({interrupted}; Slurm job {job_id} cancelled while requeued, before it ran again)"
-        data = {**data, "status": "interrupted", "failure": Failure(FailureReason.INTERRUPTED, summary).to_dict()}
-    elif interrupted and data.get("status") == "interrupted" and data.get("failure"):
-        data = {**data, "failure": {**data["failure"], "summary": f"interrupted ({interrupted}; Slurm job {job_id} cancelled)"}}
-    if state is not None:
-        data = {**data, "slurm": {"job_id": job_id, "state": state.state, "exit_code": state.exit_code, "nodes": state.nodes, "restarts": state.restarts}}
-    write_result(run_dir, data)
-    return data
+    """``result.json`` of an ended job (``launch status`` and ``launch stop`` of a Slurm job id), as
+    the results layer makes it through the seam (``settle_submitted``) from ``ended_run``'s record."""
+    result = settle_submitted(ended_run(run_dir, job_id, state, interrupted, lost=lost, written_after=written_after, requeued=requeued))
+    assert result is not None  # Slurm always says why a job ended
+    return dict(result.data)
 
 
 def explain_end(

@@ -10,7 +10,8 @@ wire's one follow loop, so the console and ``/metrics`` here show every rank liv
 (its warning before the time limit, preemption, ``scontrol requeue``) is followed on through the
 queue to its next allocation, whose launcher resumes the run, and so on to the end. When the job has
 ended, ``result.json`` is the one the launcher inside wrote, or, if it could not write one (its
-node was lost, the job was cancelled before it ran), one written here from the job's final state.
+node was lost, the job was cancelled before it ran), one the results layer makes from the job's
+final state (the record ``outcome.ended_run`` hands back).
 Ctrl-C or SIGTERM cancel the job: first SIGTERM to the launcher inside, through its batch script
 (it stops its steps and writes its result; the script then cancels the job, so that Slurm's own
 record says CANCELLED), then ``scancel`` if it has not ended within ``STOP_GRACE_S``.
@@ -34,7 +35,7 @@ from launcher.backends.slurm.backend import check_no_cluster_file
 from launcher.backends.slurm.jobs import (
     ACTIVE_NOT_STARTED, OutputTail, cancel_and_wait, job_info, job_logs, job_of_run, locate, stop_job, wait_ended,
 )  # fmt: skip
-from launcher.backends.slurm.outcome import finish
+from launcher.backends.slurm.outcome import ended_run
 from launcher.backends.slurm.script import (
     RECORD_FILE, SCRIPT_FILE, SPEC_FILE, Allocation, allocation_for, check_paths, fitting_nodes, output_path, planned_nodes, sbatch_script,
     srun_argv,
@@ -44,12 +45,12 @@ from launcher.errors import EXIT_BAD_INPUT, LauncherError
 from launcher.masking import mask_env
 from launcher.procutil import handling_stop_signals, read_json, write_json_atomic
 from launcher.protocol import ENV_SLURM_INSIDE, RankProgress, StagePaths
+from launcher.records import SubmittedRun
 from launcher.stage.engine import JobInfo, LaunchRequest, RunJob, Submission, Submitter
 from launcher.stage.plan import NodeTarget, StagePlan
 from launcher.stage.wire import RemoteRun, WireReader, follow
 
 if TYPE_CHECKING:
-    from launcher.results.store import RunResult
     from launcher.spec.model import LoadedJob
     from launcher.stage.watch import RunEvents
 
@@ -141,7 +142,7 @@ class SlurmSubmitter(Submitter):
         notes += self.notes
         return requests, notes
 
-    def submit(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> RunResult:
+    def submit_run(self, submission: Submission, *, events: RunEvents, stop: object | None, detach: bool) -> SubmittedRun:
         assert self.alloc is not None, "target_nodes decides the allocation first"
         job = submission.job
         run_dir = submission.out.resolve() / job.spec.name / submission.run_id
@@ -168,18 +169,14 @@ class SlurmSubmitter(Submitter):
             events.message(f"submitted Slurm job {job_id}: {self.alloc.describe()}")
             events.message(f"run directory: {run_dir}")
             if detach:
-                from launcher.results.store import RunResult
-
                 hint = (f"Slurm job {job_id}: launch status {job_id} | launch logs {job_id} -f | launch stop {job_id}; "
                         f"follow it: launch attach {job_id} (Ctrl-C leaves it running); once it ended: launch report {run_dir}")  # fmt: skip
-                data = {"job": job.spec.name, "run_id": submission.run_id, "backend": "slurm", "status": "pending", "job_id": job_id,
-                        "run_dir": str(run_dir), "hint": hint}  # fmt: skip
-                return RunResult(data, run_dir)
-            result = _follow_job(job, job_id, run_dir, events, signals, stop, pending_after_s=job.spec.timeouts.rendezvous_s)
-            assert result is not None  # an interrupt cancels the job: its result
-            return result
+                return SubmittedRun("slurm", job.spec.name, submission.run_id, run_dir, job_id=job_id, pending_hint=hint)
+            ended = _follow_job(job, job_id, run_dir, events, signals, stop, pending_after_s=job.spec.timeouts.rendezvous_s)
+            assert ended is not None  # an interrupt cancels the job: its record
+            return ended
 
-    def attach(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> RunResult | None:
+    def attach_run(self, run_or_job_id: str, *, out: Path, events: RunEvents) -> SubmittedRun | None:
         """Follow a submitted job (its job id, or its run id while Slurm remembers its job) as a
         foreground run follows its own, from the start of its output to its end; SIGINT or SIGTERM
         leave it running (None). Its run directory is where the job writes it (a filesystem the
@@ -245,9 +242,9 @@ def _default_rendezvous_s() -> float:
 def _follow_job(
     job: LoadedJob | None, job_id: str, run_dir: Path, events: RunEvents, signals: list[str], stop: object | None, *,
     pending_after_s: float, detach_on_interrupt: bool = False, restarts: int = 0,
-) -> RunResult | None:
+) -> SubmittedRun | None:
     """Follow the job over the wire until it has ended (or cancel it on a signal), then its
-    result. ``detach_on_interrupt`` (``launch attach``): a signal stops the following only (None)."""
+    record. ``detach_on_interrupt`` (``launch attach``): a signal stops the following only (None)."""
     run = SlurmRun(job, job_id, run_dir, events, pending_after_s=pending_after_s)
     if restarts:  # requeued before this follower came: not news, and the run it follows is the last allocation's
         run.restarts, run.rerun_since = restarts, 0.0
@@ -269,7 +266,7 @@ def _follow_job(
     except commands.SlurmError:
         pass
     waiting = run.restarts > 0 and run.rerun_since is None  # requeued, and stopped before it ran again
-    return finish(run_dir, job_id, state, interrupted, events, lost=run.lost, written_after=run.rerun_since, requeued=waiting)
+    return ended_run(run_dir, job_id, state, interrupted, lost=run.lost, written_after=run.rerun_since, requeued=waiting)
 
 
 class SlurmRun(RemoteRun):

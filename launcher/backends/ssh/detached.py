@@ -21,11 +21,11 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping
 
 from launcher.backends.ssh.command import SshError, _explain_failure, ssh_argv
 from launcher.errors import EXIT_BAD_INPUT, LauncherError
-from launcher.stage.engine import JobInfo
+from launcher.stage.engine import Detacher, JobInfo
 
 if TYPE_CHECKING:
     from launcher.spec.cluster import HostConfig
@@ -188,3 +188,31 @@ def fetch(host: HostConfig, run: str, out: Path, *, say: Callable[[str], None]) 
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return dest
+
+
+class SshDetacher(Detacher):
+    """The torchrun engine's run loop on a cluster file's controller host, reached over SSH: the
+    registry's detacher for ``launch --cluster FILE --detach`` (``launcher.backends.detacher``)."""
+
+    engine = "torchrun"
+
+    def start(self, host: HostConfig, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        return start(host, dict(payload))
+
+    def resume(self, host: HostConfig, run: str) -> Mapping[str, Any]:
+        return resume(host, run)
+
+    def job_info(self, host: HostConfig, run: str) -> JobInfo:
+        return job_info(host, run)
+
+    def stop(self, host: HostConfig, run: str, *, wait_s: float) -> JobInfo:
+        return stop(host, run, wait_s=wait_s)
+
+    def following(self, host: HostConfig, run: str, *, wait: bool) -> ContextManager[Iterator[str]]:
+        return following(host, run, wait=wait)
+
+    def end_of(self, line: str) -> dict[str, Any] | None:
+        return end_of(line)
+
+    def fetch(self, host: HostConfig, run: str, out: Path, *, say: Callable[[str], None]) -> Path:
+        return fetch(host, run, out, say=say)
