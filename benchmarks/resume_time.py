@@ -75,7 +75,7 @@ class _NoTraceback(logging.Filter):
 logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoTraceback())
 """
 TINY = ["params.n_train=1024", "params.n_test=256", "params.hidden=32", "params.batch_size=128"]  # tests/jobs/conftest.py's TINY_TRAIN
-SETS = ["entrypoint=tests.jobs.killed_train:run", "params.epochs=6", "max_restarts=1", "checkpoint.keep=2", *TINY]
+SETS = ["entrypoint=tests.jobs.killed_train:run", "params.epochs=6", "params.in_place=false", "max_restarts=1", "checkpoint.keep=2", *TINY]
 KILL_AT = 10  # the checkpoints are at steps 4, 8, ...: 2 steps are done again
 TIMEOUT_S = 300
 SEGMENTS = ("detect_and_stop", "restart_decision", "spawn", "rendezvous_and_pg", "job_start_to_first_step")

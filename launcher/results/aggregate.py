@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from launcher.protocol import RankReport
 from launcher.policies import FailureClass
-from launcher.records import AttemptRecord, Failure, RunStatus, StageOutcome, Straggler
+from launcher.records import AttemptRecord, Failure, Recovery, RunStatus, StageOutcome, Straggler
 from launcher.results.run_record import RunRecord, StageRecord
 
 PHASES = ("spawn", "import", "rendezvous", "pg_init", "run")
@@ -96,7 +96,21 @@ def _stage_record(stage: StageOutcome, before: Mapping[str, Any] | None = None) 
         stragglers=tuple(_stragglers((before or {}).get("stragglers"))) + tuple(stage.stragglers),
         load_avg=dict(stage.load_avg),
         attempts=attempts,
+        recoveries=_recoveries((before or {}).get("recoveries"), [r.metrics.get("in_place") for r in stage.reports]),
     )
+
+
+def _recoveries(earlier: Any, reported: Sequence[Any]) -> tuple[Recovery, ...]:
+    """The stage's recoveries in place, once each (every rank's report carries the node's records),
+    after those of a run's earlier launch (``launch resume``)."""
+    found: dict[tuple[int, int], Recovery] = {}
+    for records in reported:
+        for doc in records if isinstance(records, list) else ():
+            if isinstance(doc, Mapping):
+                recovery = Recovery.from_dict(doc)
+                found.setdefault((recovery.attempt, recovery.gen), recovery)
+    before = tuple(Recovery.from_dict(d) for d in earlier or () if isinstance(d, Mapping))
+    return before + tuple(found[key] for key in sorted(found))
 
 
 def _kept_stage(doc: Mapping[str, Any]) -> StageRecord:
@@ -111,6 +125,7 @@ def _kept_stage(doc: Mapping[str, Any]) -> StageRecord:
         stragglers=tuple(_stragglers(doc.get("stragglers"))),
         load_avg={str(k): (float(v[0]), float(v[1]), float(v[2])) for k, v in load.items()},
         attempts=tuple(attempt_from_doc(a) for a in doc.get("attempts") or ()),
+        recoveries=tuple(Recovery.from_dict(d) for d in doc.get("recoveries") or () if isinstance(d, Mapping)),
     )
 
 

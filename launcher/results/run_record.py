@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from launcher.records import AttemptRecord, Failure, PreflightRecord, RunStatus, SkippedWorld, Straggler
+from launcher.records import AttemptRecord, Failure, PreflightRecord, Recovery, RunStatus, SkippedWorld, Straggler
 
 SCHEMA_VERSION = 1
 
@@ -29,6 +29,7 @@ class StageRecord:
     stragglers: tuple[Straggler, ...] = ()  # ranks whose own work per step stayed well above their peers', live
     load_avg: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # "start"/"end"
     attempts: tuple[AttemptRecord, ...] = ()  # every start of the group: its failure's class, the step it resumed from, the work lost
+    recoveries: tuple[Recovery, ...] = ()  # every loss the stage tried to recover in place: in place, or the restart path and why
 
     def to_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -43,6 +44,8 @@ class StageRecord:
         }
         if self.load_avg:
             doc["load_avg"] = {k: list(v) for k, v in self.load_avg.items()}
+        if self.recoveries:
+            doc["recoveries"] = [r.to_dict() for r in self.recoveries]
         return doc
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from launcher.procutil import die_with_parent, fast_exit, oom_kill_count, set_process_name, signal_name
 from launcher.protocol import AGENT_FAILURE_TAG, ENV_AGENT_PID, ENV_PARENT_PID, ENV_STAGE_DIR, PORT_IN_USE_EXIT, StagePaths
 from launcher.runtime.forwarder import RankForwarder, node_ranks, print_line
+from launcher.runtime.inplace import ENV_KEEPER
 
 FORKED_ENTRYPOINT = ("-m", "launcher.runtime.worker")
 RANK_SERVER_NAME = "gpulaunch-ranks"  # the rank server's process name (it shares the agent's command line)
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     oom_before = oom_kill_count()
     argv = sys.argv[1:] if argv is None else argv
     forked_config = _forked_rank_config(argv)
+    keeps = forked_config is not None and "--nnodes=1" in argv and bool(os.environ.get(ENV_STAGE_DIR))
+    if keeps:
+        os.environ[ENV_KEEPER] = "1"  # before the server's fork: its ranks know a keeper can replace a lost one
     if forked_config is not None:
         _start_rank_server()  # before torchrun (and CUDA): the server is this process's fork
 
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.runtime.worker import forked_rank
 
         entrypoint, entry_args = forked_rank, [forked_config]
+    if keeps and forked_config is not None:
+        _keep_ranks(forked_config, int(args.node_rank) * config.nproc_per_node)
     _serve_store_on_rendezvous_address()
     _tails_end_when_told()
     forwarder = _forwarder(int(args.node_rank), config.nproc_per_node)
@@ -127,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         _settle_steps(int(args.node_rank), config.nproc_per_node)  # before the last forward, which carries them
         if forwarder is not None:
             forwarder.stop()  # the reports the ranks wrote on their way out go too
+
+
+def _keep_ranks(worker_json: str, first_rank: int) -> None:
+    """Recovery in place on this node (``launcher.runtime.keeper``): a lost rank whose job opted
+    in is replaced while torch's agent polls, before it would stop the others."""
+    from launcher.protocol import WorkerConfig
+    from launcher.runtime.keeper import Keeper
+
+    attempt = WorkerConfig.from_json(Path(worker_json).read_text()).attempt
+    Keeper(Path(os.environ[ENV_STAGE_DIR]), attempt, first_rank).install()
 
 
 def _serve_store_on_rendezvous_address() -> None:
@@ -282,18 +298,25 @@ class _RankProcess(ForkServerProcess):
     _started: list["_RankProcess"] = []
 
     def start(self) -> None:
+        # multiprocessing drops its target and arguments once started: kept for the keeper, which
+        # forks a lost rank again with them, and for ``exits`` (the local rank is the second one)
+        self.rank_target, self.rank_args = self._target, self._args  # type: ignore[attr-defined]
         super().start()
         _RankProcess._started.append(self)
 
     @classmethod
     def exits(cls, first_rank: int) -> dict[int, tuple[int, int, int, float]]:
-        # torch starts local ranks in order 0..nproc-1, and has joined them all by now
+        # torch has joined them all by now; each local rank's first failed process (a rank the
+        # keeper replaced in place, then handed back to torch, is the loss itself), skipping the
+        # processes whose loss was recovered in place
         now = time.time()
-        return {
-            first_rank + local_rank: (local_rank, proc.exitcode, proc.pid or 0, now)
-            for local_rank, proc in enumerate(cls._started)
-            if proc.exitcode is not None and proc.exitcode != 0
-        }
+        found: dict[int, tuple[int, int, int, float]] = {}
+        for proc in cls._started:
+            local_rank = int(proc.rank_args[1])  # torch.multiprocessing.spawn's _wrap(fn, i, ...)
+            code = proc.exitcode
+            if code and not getattr(proc, "recovered_in_place", False) and first_rank + local_rank not in found:
+                found[first_rank + local_rank] = (local_rank, code, proc.pid or 0, now)
+        return found
 
 
 def _forked_rank_config(argv: list[str]) -> str | None:

@@ -190,6 +190,13 @@ class StopNotice:
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag)
         return False
 
+    def regroup(self) -> None:
+        """The group re-formed after a rank was replaced in place: the flag posted on the old one
+        is dropped (it cannot complete), and the next call posts on the new group, as every
+        rank's next call does, the replacement's first included."""
+        self._pending = None
+        self._world_group = None
+
     def _group(self) -> Any:
         """The process group the flags travel on: the job's own when it is gloo, else a gloo group
         of the same ranks, made at the first call (every rank's first call: a collective)."""
@@ -241,6 +248,37 @@ class Checkpoints:
         self.last_step: int | None = None  # the last step saved, or resumed from
         self.resumed_step: int | None = None
         self.save_s = self.load_s = 0.0
+        # recovery in place (``launcher.runtime.inplace``): the worker's seam to its group and its
+        # metrics; ``joining``: the generation this rank replaces a lost one in, until ``in_place``
+        self.seam: Any = None
+        self.metrics: Any = None
+        self.joining = 0
+        self.live: Any = None
+
+    # --- recovery in place ---------------------------------------------------------------------
+    def in_place(self, model: Any, optimizer: Any, wrap: Callable[[Any], Any], *, step: int = 0, wait_s: float = 30.0) -> Any:
+        """Opt in to recovery in place: returns ``live``, whose ``live.model`` is ``wrap(model)``
+        (the job's DDP model, built here and again after a recovery), ``live.step`` the completed
+        steps to go on from (``step`` on a start; the peers' count in a rank that replaced a lost
+        one), and ``live.run(step_fn, *args)`` runs one step: a rank lost under it is replaced
+        while the others keep their processes, the state comes from a survivor's memory, and the
+        step is done again if it had not completed. Call it on every rank, after ``load()``, in
+        place of building the DDP model. Where the loss cannot be recovered in place (another
+        backend, several hosts, no replacement within ``wait_s`` seconds) the error goes on and
+        the restart path runs as without it. ``launcher.runtime.inplace`` has the whole story."""
+        from launcher.runtime.inplace import GroupSeam, InPlace
+
+        seam = self.seam or GroupSeam(stage_dir=self._config.paths.root, attempt=self._config.attempt, restart="0", store=None, form=lambda gen: None)
+        if self.seam is not None:
+            seam.on_regroup.append(self._regrouped)
+        gen, self.joining = self.joining, 0
+        self.live = InPlace(model, optimizer, wrap, step=step, wait_s=wait_s, rank=self.rank, world_size=self.world_size,
+                            seam=seam, metrics=self.metrics, gen=gen if self.seam is not None else 0)  # fmt: skip
+        return self.live
+
+    def _regrouped(self) -> None:
+        """The group changed under it: the layout it asked the group for is asked again (a replacement asks too)."""
+        self._leaders, self._leader_group, self._shared = None, None, None
 
     # --- a DDP model that resumes bit for bit ------------------------------------------------------
     def fix_buckets(self, ddp: Any) -> Any:
@@ -414,6 +452,8 @@ class Checkpoints:
         directory or a checkpoint directory), on ``map_location`` (default: this rank's device);
         None when there is none. Every rank calls it. A sharded checkpoint loads into ``state``
         (its tensors are filled in place, resharded to this world size) and returns it."""
+        if self.joining:
+            return None  # a replacement: its state comes from a peer in ``in_place``, its peers load nothing now
         started = time.perf_counter()
         root = Path(source).expanduser() if source is not None else self.root
         found = self._find(root)

@@ -105,6 +105,12 @@ class MetricsRecorder:
         its own work. DDP models need none of this: the runtime times them itself (workclock)."""
         return self.work_clock.section()
 
+    def resume_count(self, steps: int) -> None:
+        """Go on counting from ``steps``: a rank that replaced a lost one in place took over its
+        peers' count with their state (``launcher.runtime.inplace``); its step counter says so too."""
+        self.steps = steps
+        self._cell[0] = steps
+
     def add_time_ms(self, name: str, ms: float) -> None:
         """Record a duration measured elsewhere (e.g. a host clock around synchronised work)."""
         self._host_times_ms.setdefault(name, []).append(float(ms))

@@ -160,6 +160,7 @@ class _Rank:
         self.recorder: Any = None
         self.dist: Any = None
         self.undo_ddp_timing: Callable[[], None] = lambda: None
+        self.store: Any = None  # the stage's store this rank joined on (a replacement in place joins on it too)
         self.store_server: Any = None  # rank 0's own store, where no agent hosts one (serve_own_store)
         self.set_agent_store = False  # this rank set TORCHELASTIC_USE_AGENT_STORE (serve_own_store)
 
@@ -214,18 +215,47 @@ class _Rank:
         self.set_agent_store = True
 
     def join_group(self, device: Any) -> None:
+        from launcher.runtime.inplace import arrived_key, group_prefix, joining_gen
+
         self.beacon.set_phase("rendezvous")
         joined = _rendezvous(self.dist, self.config)
+        self.store = joined[0]
         self.phases["joined"] = time.time()  # every rank has arrived
         self.beacon.set_phase("pg_init")
         enable_flight_recorder(_torch_version())  # which collective each rank is in, should the stage stall
-        _init_group(self.dist, self.config, device, *joined)
+        gen = joining_gen(self.env)  # a replacement in place joins its survivors' new generation of the group
+        if gen:
+            self.store.set(arrived_key(self._restart, gen, joined[1]), "1")
+        _init_group(self.dist, self.config, device, *joined, prefix=group_prefix(self._restart, gen))
         # Every rank past init before any goes on: a rank whose job ends at once would otherwise
         # destroy its group while a peer the machine has not scheduled yet is still connecting
         # (gloo's connectFullMesh then fails with "Connection closed by peer").
         store, rank, world_size = joined
         _wait_for_every_rank(self.dist, store, rank, world_size, self.config.rendezvous_timeout_s, phase="grouped", hold_store=rank == 0)
         self.phases["pg_ready"] = time.time()
+
+    @property
+    def _restart(self) -> str:
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+    def _seam(self, checkpoint: Any, notice: Any, device: Any) -> None:
+        """Recovery in place where the node's agent keeps its ranks (``launcher.runtime.keeper``):
+        ``ctx.checkpoint.in_place`` re-forms the group through this rank's own set-up."""
+        from launcher.runtime.inplace import ENV_KEEPER, GroupSeam, joining_gen
+
+        checkpoint.metrics = self.recorder
+        if os.environ.get(ENV_KEEPER) != "1" or self.store is None:
+            return
+        r = self.report
+
+        def form(gen: int) -> None:
+            from launcher.runtime.inplace import group_prefix
+
+            _init_group(self.dist, self.config, device, self.store, r.rank, r.world_size, prefix=group_prefix(self._restart, gen))
+
+        checkpoint.seam = GroupSeam(stage_dir=self.paths.root, attempt=self.config.attempt, restart=self._restart, store=self.store, form=form)
+        checkpoint.seam.on_regroup.append(notice.regroup)
+        checkpoint.joining = joining_gen(self.env)
 
     def run_entry(self, entry: Callable[[Any], Any], device: Any) -> None:
         import torch
@@ -241,6 +271,7 @@ class _Rank:
             self.config, rank=r.rank, world_size=r.world_size, local_rank=r.local_rank, device=device,
             on_saved=self._saved, on_resumed=self._resumed,
         )  # fmt: skip
+        self._seam(checkpoint, notice, device)
         ctx = WorkerContext(
             rank=r.rank,
             local_rank=r.local_rank,
@@ -274,6 +305,15 @@ class _Rank:
         self.beacon.extra.update(resumed_step=step, ckpt_step=step, ckpt_at=self.recorder.steps if self.recorder else 0)
         self.beacon.write()
 
+    def _in_place_records(self) -> None:
+        """The stage's recoveries in place so far (``in_place/``: every attempt's, on this node),
+        in this rank's metrics: ``result.json`` tells each one's story from them."""
+        from launcher.runtime.inplace import stage_records
+
+        records = stage_records(self.paths.root)
+        if records and self.report.metrics is not None:
+            self.report.metrics["in_place"] = records
+
     def finish(self) -> None:
         """Metrics to the host (kept for a failed rank too), the report written atomically."""
         self.phases["finished"] = time.time()
@@ -281,6 +321,7 @@ class _Rank:
         if self.recorder is not None:
             try:
                 self.report.metrics = self.recorder.to_host()
+                self._in_place_records()
             except Exception as exc:  # noqa: BLE001 - a failed rank's device may be unusable
                 if self.report.ok:
                     self.report.status, self.report.error = RankStatus.FAILED, _error(exc)
@@ -416,16 +457,17 @@ def _rendezvous(dist: Any, config: WorkerConfig) -> tuple[Any, int, int]:
     return store, rank, world_size
 
 
-def _init_group(dist: Any, config: WorkerConfig, device: Any, store: Any, rank: int, world_size: int) -> None:
+def _init_group(dist: Any, config: WorkerConfig, device: Any, store: Any, rank: int, world_size: int, prefix: str = "default_pg") -> None:
     """Build the process group on the rendezvous' store, every collective bounded by
     ``timeouts.collective_s`` (torch's default for the backend if unset). The store keeps that
-    timeout too: NCCL exchanges the ids of communicators it creates later there."""
+    timeout too: NCCL exchanges the ids of communicators it creates later there. ``prefix``: the
+    group's keys in the store (another for each generation of a group re-formed in place)."""
     from datetime import timedelta
 
     kwargs: dict[str, Any] = {
         "backend": config.pg_backend,
         # the key layout init_process_group gives its own env:// store
-        "store": dist.PrefixStore("default_pg", store),
+        "store": dist.PrefixStore(prefix, store),
         "rank": rank,
         "world_size": world_size,
     }

@@ -51,6 +51,7 @@ class Params(WorkloadParams):
     seed: NonNegative = 0
     checkpoint_every: NonNegative = 1  # epochs between checkpoints (ctx.checkpoint); 0: only the last
     resume: str | None = None  # a fresh run starts from this checkpoint (a step-* folder or a checkpoint dir, on rank 0's host)
+    in_place: bool = False  # a lost rank replaced while the others keep their processes (ctx.checkpoint.in_place)
 
 
 def make_dataset(n: int, features: int, classes: int, seed: int, split: int) -> tuple[Any, Any]:
@@ -91,10 +92,6 @@ def run(ctx: Any) -> dict[str, Any]:
     if restored is not None:  # saved on cuda:0 (or wherever), on our device now
         model.load_state_dict(restored.state["model"])
         opt.load_state_dict(restored.state["optimizer"])
-    # DDP's final bucket layout from the first step on: a resumed run reduces its first step as an
-    # uninterrupted one reduced that step, bit for bit at any world size (ctx.checkpoint.fix_buckets)
-    ddp = ctx.checkpoint.fix_buckets(DDP(model, device_ids=[dev.index] if cuda else None))
-
     x, y = make_dataset(p.n_train, features, classes, seed, split=0)
     train = TensorDataset(x, y)
     sampler: DistributedSampler[Any] = DistributedSampler(train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True)
@@ -103,16 +100,44 @@ def run(ctx: Any) -> dict[str, Any]:
     per_epoch = len(loader)
     # the data position, in epochs (a checkpoint of another world size has another batches per epoch)
     start_step = round(float(restored.state["epoch"]) * per_epoch) if restored is not None else 0
+
+    # Recovery in place (params.in_place: ctx.checkpoint.in_place): a lost rank is replaced while
+    # the others keep their processes, and its state comes from a survivor's memory; live.model is
+    # the DDP model, built here (and again after a recovery) with its final gradient buckets from
+    # the first step on, so that a resumed or recovered run reduces as an uninterrupted one did,
+    # bit for bit at any world size (ctx.checkpoint.fix_buckets); live.step: where a replacement
+    # goes on from.
+    def wrap(m: Any) -> Any:
+        return ctx.checkpoint.fix_buckets(DDP(m, device_ids=[dev.index] if cuda else None))
+
+    live = ctx.checkpoint.in_place(model, opt, wrap=wrap, step=start_step) if p.in_place else _Steps(wrap(model), start_step)
+    start_step = step = live.step
     start_epoch, skip = divmod(start_step, per_epoch)  # the epoch, and the batch in it
     epochs = range(start_epoch, p.epochs)
-    stats = torch.zeros(max(len(epochs), 1), 3, device=dev, dtype=torch.float64)  # loss sum, correct, samples
-    step, stopped, ran = start_step, False, 0
+    # loss sum, correct, samples per epoch of the run: one layout on every rank (a replacement in
+    # place starts later), reduced once at the end
+    stats = torch.zeros(max(p.epochs, 1), 3, device=dev, dtype=torch.float64)
+    stopped, ran = False, 0
 
     def state() -> dict[str, Any]:
         arch = {"features": p.features, "hidden": p.hidden, "classes": p.classes}
-        return {"model": ddp.module.state_dict(), "optimizer": opt.state_dict(), "epoch": step / per_epoch, "world_size": ctx.world_size, "arch": arch}
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": step / per_epoch, "world_size": ctx.world_size, "arch": arch}
 
-    ddp.train()
+    def train_step(epoch: int, xb: Any, yb: Any) -> bool:
+        """One step, done again by live.run should a peer be lost before its optimizer step."""
+        xb, yb = xb.to(dev, non_blocking=True), yb.to(dev, non_blocking=True)
+        out = live.model(xb)
+        loss = loss_fn(out, yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces the gradients here
+        opt.step()
+        stats[epoch, 0] += loss.detach() * yb.shape[0]  # on the device: no .item(), no sync
+        stats[epoch, 1] += (out.argmax(dim=1) == yb).sum()
+        stats[epoch, 2] += yb.shape[0]
+        rec.step()
+        return bool(ctx.should_stop)  # the group's answer (read once per step, on every rank)
+
+    live.model.train()
     for i, epoch in enumerate(epochs):
         sampler.set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
         ran = i + 1
@@ -120,37 +145,27 @@ def run(ctx: Any) -> dict[str, Any]:
             for b, (xb, yb) in enumerate(loader):
                 if epoch == start_epoch and b < skip:
                     continue  # done before the checkpoint this run resumed from
-                xb, yb = xb.to(dev, non_blocking=True), yb.to(dev, non_blocking=True)
-                out = ddp(xb)
-                loss = loss_fn(out, yb)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()  # DDP all-reduces the gradients here
-                opt.step()
-                stats[i, 0] += loss.detach() * yb.shape[0]  # on the device: no .item(), no sync
-                stats[i, 1] += (out.argmax(dim=1) == yb).sum()
-                stats[i, 2] += yb.shape[0]
+                stopped = bool(live.run(train_step, epoch, xb, yb))
                 step += 1
-                rec.step()
-                if ctx.should_stop:  # the group's answer (read once per step, on every rank)
-                    stopped = True
+                if stopped:
                     break
         if stopped or (p.checkpoint_every and (epoch + 1) % p.checkpoint_every == 0) or epoch + 1 == p.epochs:
             ctx.checkpoint.save(state(), step=step)
         if stopped:
             break
-    test = _evaluate(torch, ddp.module, dev, ctx, p)
+    test = _evaluate(torch, model, dev, ctx, p)
     totals = torch.cat([stats.flatten(), test])
     dist.all_reduce(totals)  # the one reduction: every rank's sums, once, at the end
     stats, test = totals[:-3].view(-1, 3), totals[-3:]
-    for i in range(ran):
-        rec.log("train/loss", stats[i, 0] / stats[i, 2])  # still tensors: copied to the host by the runtime
-        rec.log("train/acc", stats[i, 1] / stats[i, 2])
+    for epoch in epochs[:ran]:
+        rec.log("train/loss", stats[epoch, 0] / stats[epoch, 2])  # still tensors: copied to the host by the runtime
+        rec.log("train/acc", stats[epoch, 1] / stats[epoch, 2])
     rec.log("test/loss", test[0] / test[2])
     rec.log("test/acc", test[1] / test[2])
     if not len(epochs):
         ctx.checkpoint.save(state(), step=step)  # nothing left to train: the checkpoint it resumed from, kept as this run's
     final = ctx.checkpoint.load()  # the last checkpoint, read back on every rank onto its own device
-    check = _check_checkpoint(torch, final, ddp.module, dev)
+    check = _check_checkpoint(torch, final, model, dev)
     return {
         "samples_per_epoch": len(sampler),
         "batches_per_epoch": per_epoch,
@@ -163,11 +178,21 @@ def run(ctx: Any) -> dict[str, Any]:
         "stopped_early": stopped,
         "checkpoint": str(final.path) if final is not None else None,  # on rank 0's host
         "checkpoint_check": check,
-        "model_sha256": _state_digest(ddp.module.state_dict()),
+        "model_sha256": _state_digest(model.state_dict()),
         **threads,
         "machine_start": machine_start,
         "machine_end": machine_state(),
     }
+
+
+class _Steps:
+    """``live`` without recovery in place (``params.in_place: false``): the DDP model, its steps run as they are."""
+
+    def __init__(self, model: Any, step: int) -> None:
+        self.model, self.step = model, step
+
+    def run(self, step_fn: Any, *args: Any) -> Any:
+        return step_fn(*args)
 
 
 def _state_digest(state: Mapping[str, Any]) -> str:

@@ -19,7 +19,7 @@ from tests.conftest import REPO, launch, pids_mentioning
 from tests.jobs.conftest import TINY_TRAIN, JobRun, assert_succeeded, run_job
 
 WRAPPER = "entrypoint=tests.jobs.killed_train:run"
-EPOCHS = ["params.epochs=6", "scaling.workers=[2]", *TINY_TRAIN]  # 4 steps an epoch: checkpoints at 4, 8, ... 24
+EPOCHS = ["params.epochs=6", "scaling.workers=[2]", "params.in_place=false", *TINY_TRAIN]  # 4 steps an epoch: checkpoints at 4, 8, ... 24
 
 
 def sha_of(run: JobRun) -> set[str]:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.jobs.conftest import TINY_TRAIN, JobRun, assert_succeeded, run_job
 
-WORLD3 = ["entrypoint=tests.jobs.killed_train:run", "params.epochs=2", "scaling.workers=[3]", "resources.cpu_workers=3", *TINY_TRAIN]
+WORLD3 = ["entrypoint=tests.jobs.killed_train:run", "params.epochs=2", "scaling.workers=[3]", "resources.cpu_workers=3", "params.in_place=false", *TINY_TRAIN]
 # 3 steps an epoch at 3 ranks: checkpoints at steps 3 and 6
 
 

@@ -1,0 +1,222 @@
+"""The node's keeper: in the torchrun agent, it replaces a lost rank in place instead of letting
+torch stop the group (``launcher.runtime.inplace`` is the ranks' side).
+
+torch's agent polls its ranks through ``ProcessContext.join`` every ``--monitor-interval`` (0.1 s);
+on a rank that ended badly it stops every other rank, and the launcher restarts the group. The
+keeper looks first, at each poll: a rank killed by a signal whose job opted in (its
+``in_place/attempt<k>/armed.rank<r>.json`` names that very process) is replaced at once by a
+rank forked from the agent's rank server (torch, the runtime and the job's imports already
+there), with the same rank, environment and log, plus the generation it joins
+(``GPULAUNCH_IN_PLACE_GEN``); torch's context then holds the replacement, never sees the loss,
+and the survivors re-form the group with it. The fork starts while the survivors are still
+finding out: its start overlaps their detection.
+
+What the lost rank left (its beacon, its exact step count: ``launcher.runtime.stepcount``) is
+kept aside first, since the replacement starts both afresh. The recovery counts once its record
+is written (``gen<k>.json``: every rank stepped again). Until then, if the replacement ends, or
+another rank ends, or ``wait_s`` (the job's, from its armed file) goes by, the keeper falls back:
+the replacement is killed, the lost rank's beacon and count are put back, and the lost process
+is handed back to torch's context, which then sees the loss as it would have and stops the
+group: the restart path runs, unchanged, and ``gen<k>.fallback.json`` says why. A rank that
+exited with a code (a job error, a report written) is never replaced: a bug fails again.
+
+Only for a stage on one node: ranks on other hosts would need every host's keeper to agree on a
+generation over the network, which is not built (``docs/fault-tolerance.md``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from launcher.procutil import read_json, write_json_atomic
+from launcher.protocol import StagePaths
+from launcher.runtime.inplace import ENV_GEN, armed_path, death_path, declined_path, fallback_path, folder, record_path
+from launcher.runtime.stepcount import counter_path, read_steps
+
+
+@dataclass
+class _Lost:
+    index: int  # the local rank: its place in torch's process context
+    rank: int
+    original: Any  # the lost process (torch's, handed back on a fallback)
+    replacement: Any = None
+
+
+@dataclass
+class _Recovery:
+    gen: int
+    lost: list[_Lost]
+    seen_at: float
+    wait_s: float
+    aside: list[tuple[Path, Path]] = field(default_factory=list)  # (kept copy, original place)
+
+
+class Keeper:
+    """One per agent (one node, one attempt): ``install()`` hooks torch's polling of the ranks."""
+
+    def __init__(self, stage_dir: Path, attempt: int, first_rank: int, log: Callable[[str], None] | None = None) -> None:
+        self.paths = StagePaths(stage_dir)
+        self.root = folder(stage_dir, attempt)
+        self.attempt = attempt
+        self.first_rank = first_rank
+        self.gen = 0
+        self.recovery: _Recovery | None = None
+        self.given_up = False  # after a fallback: the restart path has this attempt
+        self.renamed: dict[int, int] = {}  # a worker's pid -> the pid that took its place (torch's agent checks them)
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+
+    def install(self) -> None:
+        import importlib
+
+        spawn = importlib.import_module("torch.multiprocessing.spawn")  # the module (the package re-exports a function of its name)
+        original = spawn.ProcessContext.join
+        keeper = self
+
+        def join(context: Any, timeout: float | None = None, grace_period: float | None = None) -> bool:
+            keeper.tend(context)
+            return bool(original(context, timeout, grace_period))
+
+        spawn.ProcessContext.join = join
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        monitor = LocalElasticAgent._monitor_workers
+
+        def monitor_workers(agent: Any, worker_group: Any) -> Any:
+            # torch's agent holds each worker's pid and checks them against its processes' first:
+            # a worker replaced in place is known by its replacement's
+            for worker in worker_group.workers:
+                worker.id = keeper.renamed.get(worker.id, worker.id)
+            return monitor(agent, worker_group)
+
+        LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
+
+    # --- each poll -----------------------------------------------------------------------------
+    def tend(self, context: Any) -> None:
+        """Before torch looks: settle a recovery under way, else replace newly lost ranks."""
+        try:
+            if self.recovery is not None:
+                self._settle(context)
+            if self.recovery is None and not self.given_up:
+                self._replace_lost(context)
+        except Exception as exc:  # noqa: BLE001 - the keeper never breaks the agent: torch's path stays
+            self._log(f"gpulaunch-keeper: {type(exc).__name__}: {exc}; the restart path has this loss")
+            self.given_up = True
+
+    def _replace_lost(self, context: Any) -> None:
+        ready = multiprocessing.connection.wait(list(context.sentinels), timeout=0)
+        if not ready:
+            return
+        seen = time.time()
+        lost, wait_s = [], 0.0
+        for sentinel in ready:
+            index = context.sentinels[sentinel]
+            process = context.processes[index]
+            process.join(1.0)
+            armed = read_json(armed_path(self.root, self.first_rank + index))
+            code = process.exitcode
+            if code is None or code >= 0 or not isinstance(armed, dict) or armed.get("pid") != process.pid:
+                if code:  # a job error, or a rank that had not opted in: its survivors stop waiting
+                    self._decline(f"rank {self.first_rank + index} ended with {code}" + ("" if code > 0 else ", not opted in"))
+                return  # torch's path for all
+            lost.append(_Lost(index, self.first_rank + index, process))
+            wait_s = max(wait_s, float(armed.get("wait_s") or 0.0))
+        if len(lost) >= len(context.processes):
+            return  # no survivor on this node to recover from
+        self.gen += 1
+        recovery = _Recovery(self.gen, lost, seen, wait_s)
+        self._keep_aside(recovery)
+        death = {
+            "attempt": self.attempt, "gen": self.gen, "ranks": [x.rank for x in lost], "pids": [x.original.pid for x in lost],
+            "exitcodes": [x.original.exitcode for x in lost], "seen_at": seen, "steps_at_death": self._steps_at_death(recovery),
+        }  # fmt: skip
+        write_json_atomic(death_path(self.root, self.gen), death, durable=False)  # published whole: the survivors act on it
+        for item in lost:
+            item.replacement = self._fork(context, item, self.gen)
+        death.update(forked_at=time.time(), replacement_pids=[x.replacement.pid for x in lost])
+        write_json_atomic(death_path(self.root, self.gen), death, durable=False)
+        self.recovery = recovery
+        self._log(f"gpulaunch-keeper: rank(s) {death['ranks']} lost (exit {death['exitcodes']}); replaced in place, generation {self.gen}")
+
+    def _decline(self, why: str) -> None:
+        if self.root.is_dir():  # only where ranks opted in: elsewhere nobody waits
+            write_json_atomic(declined_path(self.root, self.gen + 1), {"attempt": self.attempt, "gen": self.gen + 1, "why": why}, durable=False)
+        self.given_up = True
+
+    def _fork(self, context: Any, item: _Lost, gen: int) -> Any:
+        """The lost rank again, from the rank server: torch's own target and arguments, its
+        environment plus the generation it joins; it takes the lost one's place in the context."""
+        old = item.original
+        fn, index, args, error_file = old.rank_args  # torch.multiprocessing.spawn's own _wrap(fn, i, args, error_file), kept by the agent
+        envs = dict(args[2])
+        envs[index] = {**envs[index], ENV_GEN: str(gen)}
+        new_args = (*args[:2], envs, *args[3:])
+        process = type(old)(target=old.rank_target, args=(fn, index, new_args, error_file), daemon=old.daemon)
+        process.start()
+        context.sentinels.pop(old.sentinel, None)
+        context.processes[index] = process
+        context.sentinels[process.sentinel] = index
+        self.renamed.pop(process.pid, None)
+        self.renamed[old.pid] = process.pid
+        return process
+
+    def _settle(self, context: Any) -> None:
+        recovery = self.recovery
+        assert recovery is not None
+        if record_path(self.root, recovery.gen).exists():
+            for item in recovery.lost:
+                item.original.recovered_in_place = True  # not a failure of this attempt any more
+            self.recovery = None  # every rank stepped again: recovered in place
+            return
+        why = ""
+        if any(x.replacement.exitcode is not None for x in recovery.lost):
+            why = "the replacement ended before it joined"
+        elif any(p.exitcode is not None and p.exitcode != 0 for p in context.processes):
+            why = "another rank ended during the recovery"
+        elif time.time() - recovery.seen_at > recovery.wait_s:
+            why = f"no recovery within wait_s={recovery.wait_s:g}s"
+        if why:
+            self._fall_back(context, recovery, why)
+
+    def _fall_back(self, context: Any, recovery: _Recovery, why: str) -> None:
+        """The restart path, as if the keeper had never acted: the lost process back in torch's
+        context (it sees the loss at this very poll), its beacon and count back in place."""
+        for item in recovery.lost:
+            replacement = item.replacement
+            if replacement.exitcode is None:
+                os.kill(replacement.pid, signal.SIGKILL)
+                replacement.join(5.0)
+            context.sentinels.pop(replacement.sentinel, None)
+            context.processes[item.index] = item.original
+            context.sentinels[item.original.sentinel] = item.index
+            self.renamed.pop(item.original.pid, None)
+            self.renamed[replacement.pid] = item.original.pid
+        for kept, place in recovery.aside:
+            shutil.copyfile(kept, place)
+        record = {"attempt": self.attempt, "gen": recovery.gen, "in_place": False, "dead_ranks": [x.rank for x in recovery.lost],
+                  "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why}  # fmt: skip
+        write_json_atomic(fallback_path(self.root, recovery.gen), record, durable=False)
+        self.recovery, self.given_up = None, True
+        self._log(f"gpulaunch-keeper: generation {recovery.gen} not recovered in place ({why}): the restart path")
+
+    # --- what the lost rank left --------------------------------------------------------------
+    def _keep_aside(self, recovery: _Recovery) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for item in recovery.lost:
+            for place in (self.paths.progress(item.rank), counter_path(self.paths, item.rank)):
+                if place.exists():
+                    kept = self.root / f"gen{recovery.gen}.{place.name}"
+                    shutil.copyfile(place, kept)
+                    recovery.aside.append((kept, place))
+
+    def _steps_at_death(self, recovery: _Recovery) -> int | None:
+        counts = [read_steps(counter_path(self.paths, x.rank)) for x in recovery.lost]
+        known = [c for c in counts if c is not None]
+        return max(known) if known else None
