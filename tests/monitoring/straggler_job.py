@@ -17,6 +17,9 @@ def run(ctx):
     slow_rank, extra_s = ctx.param("slow_rank", 1), ctx.param("extra_s", 0.02)
     duration_s = ctx.param("duration_s", 4.0)
     idle_s = ctx.param("idle_s", 0.0)  # every rank, between steps: outside its own work
+    # every rank's own work, in its step: with none, a rank's own work is a few ms, and on a loaded
+    # machine a peer preempted for a few ms a step looks 1.5x slower than its median for seconds
+    base_s = ctx.param("base_s", 0.0)
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 32).to(ctx.device)
     by_hand = ctx.param("sections", False)
@@ -32,12 +35,12 @@ def run(ctx):
             break
         if by_hand:
             with ctx.metrics.work():
-                _own_work(ctx, model, opt, slow_rank, extra_s)
+                _own_work(ctx, model, opt, slow_rank, extra_s, base_s)
             for p in model.parameters():
                 dist.all_reduce(p.grad)
             opt.step()
         else:
-            _own_work(ctx, model, opt, slow_rank, extra_s)
+            _own_work(ctx, model, opt, slow_rank, extra_s, base_s)
             opt.step()
         ctx.metrics.step()
         steps += 1
@@ -46,7 +49,7 @@ def run(ctx):
     return {"steps": steps}
 
 
-def _own_work(ctx, model, opt, slow_rank, extra_s):
+def _own_work(ctx, model, opt, slow_rank, extra_s, base_s):
     if ctx.rank == slow_rank:
         time.sleep(extra_s)
     x = torch.randn(16, 32, device=ctx.device)
