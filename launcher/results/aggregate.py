@@ -33,13 +33,16 @@ def stage_phases(
 ) -> dict[str, float | None]:
     """Where a stage's start-up time went, from the slowest rank at each step (seconds). A phase
     no rank finished is where the ranks stopped (a rendezvous that timed out): it runs to the
-    end and the phases after it are None. The end is the last rank's ``finished`` stamp, or, where
+    end and the phases after it are None (a rank that replaced a lost one in place, stamped
+    ``replaced``, counts for the end alone). The end is the last rank's ``finished`` stamp, or, where
     every rank was stopped before it wrote one (Ctrl-C, a lost host), ``ended_at``: the stage's
     end, so an interrupted stage's ``run`` lasts until the stop. A script joins the group inside
     its own run, so its rendezvous and pg_init are None too."""
 
     def latest(name: str) -> float | None:
-        stamps = [r.phases[name] for r in reports if name in r.phases]
+        # a rank that replaced a lost one in place (its "replaced" stamp) started later on its own:
+        # the stage's start-up is its first ranks', the end is every rank's
+        stamps = [r.phases[name] for r in reports if name in r.phases and (name == "finished" or "replaced" not in r.phases)]
         return max(stamps) if stamps else None
 
     out: dict[str, float | None] = {}
@@ -56,7 +59,7 @@ def stage_phases(
                 end = max(prev, ended_at)  # the ranks were stopped in this phase: it ran until the stage ended
         out[phase] = None if end is None or prev is None else round(max(0.0, end - prev), 4)
         prev = end
-    first = [r.phases["first_step"] for r in reports if "first_step" in r.phases]
+    first = [r.phases["first_step"] for r in reports if "first_step" in r.phases and "replaced" not in r.phases]
     out["to_first_step"] = round(max(first) - started_at, 4) if first else None
     return out
 
@@ -96,7 +99,7 @@ def _stage_record(stage: StageOutcome, before: Mapping[str, Any] | None = None) 
         stragglers=tuple(_stragglers((before or {}).get("stragglers"))) + tuple(stage.stragglers),
         load_avg=dict(stage.load_avg),
         attempts=attempts,
-        recoveries=_recoveries((before or {}).get("recoveries"), [r.metrics.get("in_place") for r in stage.reports]),
+        recoveries=_recoveries((before or {}).get("recoveries"), [(r.metrics or {}).get("in_place") for r in stage.reports]),
     )
 
 

@@ -359,7 +359,12 @@ def run_rank(
     """
     started = started_at or _T_STARTED
     listen_for_stop_notice()
-    rank = _Rank(config, env, {"spawned": spawned_at or started, "started": started})
+    phases = {"spawned": spawned_at or started, "started": started}
+    from launcher.runtime.inplace import joining_gen
+
+    if joining_gen(env):  # a replacement in place: its start is its own, not the stage's start-up
+        phases["replaced"] = phases["spawned"]
+    rank = _Rank(config, env, phases)
     rank.beacon.start()
     try:
         entry, device = rank.prepare(step_hooks)

@@ -119,6 +119,7 @@ def summary_renderables(result: Mapping[str, Any], *, traceback_shown: bool = Fa
     for line in summary.get("conclusions", ()):
         out.append(Text(f"• {line}"))
     out.extend(_straggler_lines(result["stages"]))
+    out.extend(_recovery_lines(result["stages"]))
     if summary.get("error"):
         out.append(Text(f"the job's summary failed: {summary['error']}", style="yellow"))
     if result.get("plot_error"):
@@ -191,6 +192,26 @@ def _straggler_lines(stages: list[Mapping[str, Any]]) -> list[Text]:
                 f"straggler (world {stage['world_size']}): rank {s['rank']} on {s['host']} ({s['device']}), own work "
                 f"{s['work_s'] * 1e3:.1f} ms per step vs {s['peers_median_s'] * 1e3:.1f} ms for its peers "
                 f"(up to {s['peak_ratio'] or float('inf'):.1f}x), from {s['flagged_after_s']:.0f} s {held}",
+                style="yellow",
+            ))  # fmt: skip
+    return out
+
+
+def _recovery_lines(stages: list[Mapping[str, Any]]) -> list[Text]:
+    """One line per rank lost where the stage tried recovery in place (result.json:
+    stages[].recoveries): recovered, in how long and at what cost, or why the restart path took it."""
+    out = []
+    for stage in stages:
+        for r in stage.get("recoveries") or ():
+            ranks = ", ".join(str(k) for k in r.get("dead_ranks") or ()) or "?"
+            where = f"world {stage['world_size']}, attempt {int(r.get('attempt') or 0) + 1}: rank(s) {ranks} lost"
+            if r.get("path") != "in_place":
+                out.append(Text(f"{where}; not recovered in place ({r.get('why') or 'no reason recorded'}): the restart path", style="yellow"))
+                continue
+            state = f", state {r['state_bytes'] / 1e6:,.1f} MB from a survivor's memory" if r.get("state_bytes") else ""
+            out.append(Text(
+                f"{where}; recovered in place in {_cell(r.get('recovery_s'))} s (seen after {_cell(r.get('detection_s'))} s{state}), "
+                f"from step {_cell(r.get('resumed_step'))}, {_cell(r.get('steps_lost'))} step(s) lost, no restart",
                 style="yellow",
             ))  # fmt: skip
     return out

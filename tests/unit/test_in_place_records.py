@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from launcher.protocol import RankReport, RankStatus
 from launcher.records import Recovery
-from launcher.results.aggregate import _recoveries
+from launcher.results.aggregate import _recoveries, stage_phases
 from launcher.runtime.inplace import death_path, declined_path, fallback_path, folder, record_path, stage_records
+from launcher.ui.console import _recovery_lines
 
 
 def _write(path: Path, doc: dict) -> None:
@@ -36,3 +38,29 @@ def test_each_recovery_once_after_the_earlier_launch() -> None:
     assert [(r.attempt, r.gen, r.in_place, r.died_at) for r in found] == [(0, 1, True, 1.0), (0, 1, True, 5.0), (1, 1, False, 9.0)]
     assert found[1].to_dict()["path"] == "in_place" and found[2].to_dict()["path"] == "restart"
     assert Recovery.from_dict(found[2].to_dict() | {"in_place": False}).why == fallback["why"]
+
+
+def _ranks(replacement_at: float) -> list[RankReport]:
+    """Two ranks started at 0 (spawned 0.5 s in, first step at 1.8 s, done at 20 s); rank 1 lost
+    and replaced in place: its report is the replacement's, which started at ``replacement_at``."""
+    first = {"spawned": 0.5, "started": 0.6, "imported": 1.5, "joined": 1.6, "pg_ready": 1.7, "first_step": 1.8, "finished": 20.0}
+    late = {k: v + replacement_at for k, v in first.items() if k != "finished"} | {"finished": 20.5, "replaced": replacement_at + 0.5}
+    return [RankReport(rank=r, local_rank=r, node_rank=0, world_size=2, host="h", device="cpu", status=RankStatus.OK, phases=phases)
+            for r, phases in ((0, first), (1, late))]  # fmt: skip
+
+
+def test_a_replacements_late_start_is_not_the_stages_start_up() -> None:
+    phases = stage_phases(0.0, _ranks(replacement_at=9.0))
+    assert phases == {"spawn": 0.5, "import": 1.0, "rendezvous": 0.1, "pg_init": 0.1, "run": 18.8, "to_first_step": 1.8}, phases
+
+
+def test_the_summary_tells_each_loss_in_place_or_not() -> None:
+    recovered = Recovery.from_dict({"attempt": 0, "gen": 1, "in_place": True, "dead_ranks": [1], "died_at": 5.0, "detection_s": 0.41,
+                                    "recovery_s": 3.744, "state_bytes": 302_200_000, "resumed_step": 17, "steps_lost": 0})  # fmt: skip
+    fallen = Recovery.from_dict({"attempt": 0, "gen": 2, "in_place": False, "dead_ranks": [0], "died_at": 9.0, "why": "the replacement ended before it joined"})
+    lines = [t.plain for t in _recovery_lines([{"world_size": 2, "recoveries": [recovered.to_dict(), fallen.to_dict()]}])]
+    assert lines == [
+        "world 2, attempt 1: rank(s) 1 lost; recovered in place in 3.74 s (seen after 0.41 s, state 302.2 MB from a survivor's memory), "
+        "from step 17, 0 step(s) lost, no restart",
+        "world 2, attempt 1: rank(s) 0 lost; not recovered in place (the replacement ended before it joined): the restart path",
+    ]
