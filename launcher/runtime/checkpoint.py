@@ -253,7 +253,6 @@ class Checkpoints:
         self.seam: Any = None
         self.metrics: Any = None
         self.joining = 0
-        self.live: Any = None
 
     # --- recovery in place ---------------------------------------------------------------------
     def in_place(self, model: Any, optimizer: Any, wrap: Callable[[Any], Any], *, step: int = 0, wait_s: float = 30.0) -> Any:
@@ -272,9 +271,8 @@ class Checkpoints:
         if self.seam is not None:
             seam.on_regroup.append(self._regrouped)
         gen, self.joining = self.joining, 0
-        self.live = InPlace(model, optimizer, wrap, step=step, wait_s=wait_s, rank=self.rank, world_size=self.world_size,
-                            seam=seam, metrics=self.metrics, gen=gen if self.seam is not None else 0)  # fmt: skip
-        return self.live
+        return InPlace(model, optimizer, wrap, step=step, wait_s=wait_s, rank=self.rank, world_size=self.world_size,
+                       seam=seam, metrics=self.metrics, gen=gen if self.seam is not None else 0)  # fmt: skip
 
     def _regrouped(self) -> None:
         """The group changed under it: the layout it asked the group for is asked again (a replacement asks too)."""

@@ -134,7 +134,6 @@ class InPlace:
         self.wait_s = wait_s
         self.rank, self.world_size, self.seam, self.metrics = rank, world_size, seam, metrics
         self.gen = gen
-        self.records: list[dict[str, Any]] = []  # every recovery this rank took part in
         self._commits = 0
         self._pending: dict[str, Any] | None = None  # a recovery whose first step is not done yet
         optimizer.register_step_post_hook(self._committed)
@@ -258,7 +257,6 @@ class InPlace:
             "state_s": round(pending["state_sent_at"] - pending["grouped_at"], 4),
             "steps_lost": max(0, int(lost) - pending["resumed_step"]) if isinstance(lost, int) else 0,
         }  # fmt: skip
-        self.records.append(record)
         write_json_atomic(record_path(self.seam.root, record["gen"]), record)
 
     # --- a replacement ------------------------------------------------------------------------
@@ -280,14 +278,12 @@ class InPlace:
         """Tell the keeper this rank may be replaced in place (its pid: a stale file never counts).
         Only a gloo group of CPU tensors: an NCCL group with a dead peer hangs or aborts rather than
         raising in the survivors, and gloo over CUDA tensors (ranks sharing a GPU) has not been
-        run on a GPU yet; those take the restart path (the keeper declines an unarmed rank)."""
-        if not _recoverable(self.raw):
+        run on a GPU yet; those take the restart path (the keeper declines an unarmed rank). Where
+        no keeper watches the ranks (no store in the seam: another backend, several hosts), nobody
+        reads the file: none is written."""
+        if self.seam.store is None or not _recoverable(self.raw):
             return
         write_json_atomic(armed_path(self.seam.root, self.rank), {"pid": os.getpid(), "wait_s": self.wait_s, "gen": self.gen}, durable=False)
-
-    def to_host(self) -> list[dict[str, Any]]:
-        """The records of this rank's recoveries, for its report (``result.json``)."""
-        return list(self.records)
 
 
 def _recoverable(model: Any) -> bool:
