@@ -32,7 +32,7 @@ from launcher.stage.watch import StageProgress
 STARTING_UP = ("spawning", "starting", "importing", "rendezvous", "pg_init")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StalledRank:
     rank: int
     host: str

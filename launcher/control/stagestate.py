@@ -15,9 +15,10 @@ itself carries that count as ``metrics.steps``, and where it came from as ``metr
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import replace
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from launcher.masking import redact_document
 from launcher.protocol import HOST_LOST, NODE_LOST, RankError, RankProgress, RankReport, RankStatus
@@ -34,6 +35,9 @@ _SCRIPT_STAMPS = (("running", "imported"),)
 _PHASE_ORDER = ("spawning", "starting", "importing", "rendezvous", "pg_init", "running", "finished", "failed")
 _FINAL = (RankStatus.OK, RankStatus.FAILED)
 _STICKY = ("ckpt_step", "ckpt_at", "resumed_step", "watches_stop")
+_sticky_of = operator.attrgetter(*_STICKY)  # one C call per beacon: most ranks say none of them
+_NONE_STICKY = (None,) * len(_STICKY)
+_NO_BEACON = RankProgress()
 _LOST = (HOST_LOST, NODE_LOST)  # a RanksLost report's error types
 
 
@@ -72,22 +76,26 @@ class StageState:
                 self._lost(event)
 
     def _beacon(self, event: RankBeacon) -> None:
+        # once per beacon of every rank (2,048 a second at 1,024 ranks): the common case is cheap
         old = self.beacons.get(event.rank)
-        if old is not None and old.t is not None and event.beacon.t is not None and event.beacon.t < old.t:
-            return  # an older beacon, late (delivered twice: live, and again at the end)
         beacon = event.beacon
-        if old is not None:  # what a rank said of its checkpoints stays said (a last beacon made elsewhere lacks it)
-            kept = {k: getattr(old, k) for k in _STICKY if getattr(beacon, k) is None and getattr(old, k) is not None}
+        if old is not None:
+            if old.t is not None and beacon.t is not None and beacon.t < old.t:
+                return  # an older beacon, late (delivered twice: live, and again at the end)
+            kept: dict[str, Any] = {}
+            if _sticky_of(old) != _NONE_STICKY:  # what a rank said of its checkpoints stays said (a last beacon made elsewhere lacks it)
+                kept = {k: getattr(old, k) for k in _STICKY if getattr(beacon, k) is None and getattr(old, k) is not None}
             if old.steps > beacon.steps and (beacon.t is None or old.t is None or beacon.t <= old.t):
                 kept["steps"] = old.steps  # the same beacon again (read back at the end) lags the exact count the report gave
-            beacon = replace(beacon, **kept) if kept else beacon
+            if kept:
+                beacon = replace(beacon, **kept)
         self.beacons[event.rank] = beacon
         if event.host:
             self.hosts[event.rank] = event.host
-        if old is None or old.phase != event.beacon.phase:  # a phase's stamp is its first beacon's time
-            self._stamp(event.rank, event.beacon)
-        if event.beacon.phases:  # the rank's own stamps, exact: they win over the times beacons were first seen
-            self._stamps.setdefault(event.rank, {}).update(event.beacon.phases)
+        if old is None or old.phase != beacon.phase:  # a phase's stamp is its first beacon's time
+            self._stamp(event.rank, beacon)
+        if beacon.phases:  # the rank's own stamps, exact: they win over the times beacons were first seen
+            self._stamps.setdefault(event.rank, {}).update(beacon.phases)
 
     def _stamp(self, rank: int, beacon: RankProgress) -> None:
         """The report stamps the beacon's phase implies, at the beacon's own time (first seen)."""
@@ -156,14 +164,16 @@ class StageState:
         return self.hosts.get(rank) or self._slot(rank).host
 
     def progress(self, now: float | None = None) -> StageProgress:
+        # every rank, twice a second: positional fields and no method call per rank
+        beacons, hosts = self.beacons, self.hosts
         ranks = []
         for slot in self.plan.ranks:
-            beacon = self.beacons.get(slot.rank) or RankProgress()
-            ranks.append(RankLive(slot.rank, self.host_of(slot.rank), beacon.phase, beacon.steps, beacon.t, beacon.work_s,
-                                  work_mad_s=beacon.work_mad_s, work_n=beacon.work_n))
+            rank = slot.rank
+            b = beacons.get(rank, _NO_BEACON)
+            ranks.append(RankLive(rank, hosts.get(rank) or slot.host, b.phase, b.steps, b.t, b.work_s, False, b.work_mad_s, b.work_n))
         live = tuple(ranks)
         elapsed = (now or time.time()) - self.started_at
-        resumed = [b.resumed_step for b in self.beacons.values() if b.resumed_step is not None]
+        resumed = [b.resumed_step for b in beacons.values() if b.resumed_step is not None]
         return StageProgress(self.plan.world_size, elapsed, live, self.restarts, count_phases(live), max(resumed) if resumed else None)
 
     def final_reports(self, secrets: tuple[str, ...] = ()) -> list[RankReport]:

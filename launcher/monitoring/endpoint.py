@@ -93,7 +93,7 @@ def default_sd_dir() -> Path:
 # --- what the run loop hands over ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RankSample:
     rank: int
     node: str

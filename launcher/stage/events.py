@@ -18,7 +18,7 @@ from launcher.protocol import RankProgress, RankReport
 from launcher.records import RankExit
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RankBeacon:
     """A rank's latest sign of life: phase, host step count, own work per step, pid."""
 

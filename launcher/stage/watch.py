@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from launcher.results.store import RunResult
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RankLive:
     """One rank while its stage runs, from its latest beacon."""
 
