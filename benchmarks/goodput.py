@@ -10,7 +10,9 @@ every ``--interval`` seconds the soak SIGKILLs rank 1 (its pid as the rank publi
 * ``bare``: ``torchrun --max-restarts=1000`` (spawned ranks), ``torch.save`` by rank 0 (the anchor);
 * ``restart``: ``launch`` with ``max_restarts``: the group restarted, resumed from ``ctx.checkpoint``;
 * ``in_place``: ``launch``, the job opted in with ``ctx.checkpoint.in_place``: the survivor keeps
-  its process, a replacement is forked from the agent's rank server, the state from the survivor.
+  its process, a replacement is forked from the agent's rank server, the state from the survivor;
+* ``in_place_async``: the same with ``checkpoint.async_save: true`` (the disk checkpoint written on
+  a thread while the job steps on: the step waits only for a copy of the state).
 
 Goodput = time on steps that count / wall: a step counts in its last execution (a step done
 again after a restart counts once, its lost first run not at all); the wall runs from the
@@ -19,7 +21,7 @@ in place; death -> the attempt recorded as ended, restart path), recovery (death
 the first step started after it: every rank stepping again), steps lost (done before the death,
 done again after it).
 
-    python benchmarks/goodput.py [--duration 300] [--interval 60] [--every 20] [--variants bare,restart,in_place] [--together]
+    python benchmarks/goodput.py [--duration 300] [--interval 60] [--every 20] [--variants bare,restart,in_place,in_place_async] [--together]
 
 ``--together`` runs the variants at the same time (each its own 2 ranks, the faults at the same
 moments): on a machine whose load other work changes, one after the other they do not see the
@@ -45,7 +47,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "benchmarks" / "jobs" / "goodput_job.py"
-VARIANTS = ("bare", "restart", "in_place")
+VARIANTS = ("bare", "restart", "in_place", "in_place_async")
 
 
 def _env() -> dict[str, str]:
@@ -67,8 +69,10 @@ def _start(variant: str, work: Path, end_at: float, args: Any) -> subprocess.Pop
                *[f"--{k.replace('_', '-')}={v}" for k, v in common.items()], f"--ckpt={work / 'ckpt.pt'}"]  # fmt: skip
     else:
         spec = {
-            "name": f"goodput_{variant}", "entrypoint": "benchmarks.jobs.goodput_job:run", "params": {**common, "mode": variant},
-            "resources": {"cpu_workers": 2}, "scaling": {"workers": [2]}, "max_restarts": 100, "checkpoint": {"keep": 1},
+            "name": f"goodput_{variant}", "entrypoint": "benchmarks.jobs.goodput_job:run",
+            "params": {**common, "mode": "in_place" if variant.startswith("in_place") else variant},
+            "resources": {"cpu_workers": 2}, "scaling": {"workers": [2]}, "max_restarts": 100,
+            "checkpoint": {"keep": 1, "async_save": variant.endswith("_async")},
             "timeouts": {"rendezvous_s": 300, "run_s": args.duration + 900},
         }  # fmt: skip
         (work / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))

@@ -164,6 +164,7 @@ class WorkerConfig:
     # checkpoint must carry to be this job's (its name and program: ``job_identity``)
     checkpoint_dir: str
     checkpoint_keep: int
+    checkpoint_async_save: bool  # rank 0's save blocks only for a copy; the file is written on a thread (spec: checkpoint.async_save)
     job_identity: str
     attempt: int  # 0 for the stage's first start, then one more per restart
     stop_grace_s: float  # a stop notice's deadline: the seconds the job has to save and return (spec: preemption.grace_s)
@@ -223,12 +224,14 @@ def is_peer_loss(error: RankError) -> bool:
 @dataclass(frozen=True)
 class CheckpointActivity:
     """What ``ctx.checkpoint`` did in one rank: the step it resumed from, the last step saved or
-    resumed from, and the seconds its saves and loads took."""
+    resumed from, and the seconds its saves and loads took (``save_s``: what the job waited for;
+    ``write_s``: what the background writes of ``checkpoint.async_save`` took beside it)."""
 
     resumed_step: int | None = None
     last_step: int | None = None
     save_s: float = 0.0
     load_s: float = 0.0
+    write_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CheckpointActivity":

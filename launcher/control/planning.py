@@ -282,6 +282,7 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         time_ddp=spec.monitoring.stragglers,
         checkpoint_dir=str(checkpoint_root(job, paths)),
         checkpoint_keep=spec.checkpoint.keep,
+        checkpoint_async_save=spec.checkpoint.async_save,
         job_identity=job_identity_of(job),
         attempt=attempt,
         stop_grace_s=float(spec.preemption.grace_s),

@@ -11,6 +11,14 @@ Every rank calls ``save`` at the same step, as with ``torch.distributed.checkpoi
   ``torch.distributed.checkpoint``: every rank writes its part into one directory that every host
   must see (``checkpoint.dir`` on a shared filesystem); loading reshards to the new world size.
 
+With ``checkpoint.async_save`` a replicated save blocks the step only for a copy: rank 0's state
+is copied to host memory (and, where the hosts share no filesystem, serialised and sent to the
+other hosts' writers), and the file is written, digested, synced and published on a thread while
+the job steps on. One write is in flight at a time (the next ``save`` waits for it first, as do
+``load`` and the rank's end, which fails the rank if the write failed); a checkpoint counts as
+saved (the beacon's ``ckpt_step``) once it is published. Sharded saves stay synchronous: DCP's
+own ``async_save`` publishes through a collective, which a background thread cannot join safely.
+
 ``load`` returns the newest complete checkpoint any host has, on this rank's device, or None on a
 fresh start. Files are written under a temporary name and published by a rename with a manifest
 (step, job, SHA-256 of each file): a checkpoint cut short is never loaded (``launcher.checkpoint_store``).
@@ -22,7 +30,8 @@ import io
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -234,14 +243,19 @@ class Checkpoints:
         world_size: int,
         local_rank: int,
         device: Any,
-        on_saved: Callable[[int], None] = lambda step: None,
+        on_saved: Callable[[int, int], None] = lambda step, at: None,
         on_resumed: Callable[[int], None] = lambda step: None,
+        steps_done: Callable[[], int] = lambda: 0,
     ) -> None:
         self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else config.paths.checkpoints
         self.keep = config.checkpoint_keep
         self._config = config
         self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
-        self._on_saved, self._on_resumed = on_saved, on_resumed
+        self._on_saved, self._on_resumed, self._steps_done = on_saved, on_resumed, steps_done
+        self.async_save = config.checkpoint_async_save
+        self._writer: ThreadPoolExecutor | None = None  # the background write's thread (async_save)
+        self._in_flight: Future[Any] | None = None
+        self.write_s = 0.0  # seconds the background writes took, off the step's path
         self._leaders: list[int] | None = None
         self._leader_group: Any = None
         self._shared: bool | None = None
@@ -359,11 +373,68 @@ class Checkpoints:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"ctx.checkpoint.save: step must be an int >= 0, not {step!r}")
         started = time.perf_counter()
-        folder = self._save_sharded(state, step) if sharded else self._save_replicated(state, step)
+        self.wait()  # one write in flight at a time; a failed one fails this save
+        at = self._steps_done()
+        if self.async_save and not sharded:
+            folder = self._save_in_background(state, step, at)
+        else:
+            folder = self._save_sharded(state, step) if sharded else self._save_replicated(state, step)
+            self._saved(step, at)
         self.save_s += time.perf_counter() - started
-        self.last_step = step
-        self._on_saved(step)
         return folder
+
+    def _saved(self, step: int, at: int) -> None:
+        self.last_step = step
+        self._on_saved(step, at)
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Until the background write in flight (``checkpoint.async_save``) is published; its
+        error, if it failed (``raise_error``: else it is dropped, as on a failing rank's way out)."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as exc:
+            if raise_error:
+                raise CheckpointError(f"ctx.checkpoint: the background write of a checkpoint failed: {type(exc).__name__}: {exc}") from exc
+
+    def _save_in_background(self, state: Mapping[str, Any], step: int, at: int) -> Path | None:
+        """What must happen now happens now (the copy to host memory; a broadcast to the other
+        hosts' writers is a collective); the file is written on the writer thread. Returns where
+        the checkpoint will be, or None where this rank writes nothing."""
+        import torch
+
+        if self._shared_dir():
+            if self.rank != 0:
+                self._saved(step, at)  # as a synchronous save: rank 0 writes the one copy
+                return None
+            snapshot = host_copy(state)
+            return self._submit(step, at, lambda: self._write_stream(torch, snapshot, step))
+        if self.rank not in self._layout():
+            self._saved(step, at)
+            return None
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            payload = [buffer.getvalue()]
+        self._dist().broadcast_object_list(payload, src=0, group=self._leader_group)
+        data: bytes = payload[0]
+        return self._submit(step, at, lambda: self._write_bytes(data, step))
+
+    def _submit(self, step: int, at: int, write: Callable[[], Path]) -> Path:
+        def run() -> Path:
+            started = time.perf_counter()
+            folder = write()
+            self.write_s += time.perf_counter() - started
+            self._saved(step, at)
+            return folder
+
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="gpulaunch-checkpoint")
+        self._in_flight = self._writer.submit(run)
+        return step_dir(self.root, step)
 
     def _manifest(self, step: int, fmt: str, files: Mapping[str, FileDigest]) -> Manifest:
         c = self._config
@@ -452,6 +523,7 @@ class Checkpoints:
         (its tensors are filled in place, resharded to this world size) and returns it."""
         if self.joining:
             return None  # a replacement: its state comes from a peer in ``in_place``, its peers load nothing now
+        self.wait()  # a write in flight is the newest checkpoint once published
         started = time.perf_counter()
         root = Path(source).expanduser() if source is not None else self.root
         found = self._find(root)
@@ -554,3 +626,24 @@ def _read_state(folder: Path) -> bytes:
 def _check_digest(path: Path, folder: Path, expected: FileDigest | None, got: FileDigest) -> None:
     if expected is None or got != expected:
         raise CheckpointError(f"checkpoint {path}: its contents differ from its manifest (sha256 {got.sha256[:12]}...); delete {folder} to drop the checkpoint")
+
+
+def host_copy(value: Any) -> Any:
+    """``value`` (a state dict: tensors in nested dicts, lists and tuples, plain values) with every
+    tensor copied to host memory, detached: what a background write may read while the job's own
+    tensors change under it. Plain values are shared (they are not changed in place by a step)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        copied = OrderedDict((k, host_copy(v)) for k, v in value.items()) if isinstance(value, OrderedDict) else {k: host_copy(v) for k, v in value.items()}
+        if hasattr(value, "_metadata"):  # a module's state_dict: its versions, which load_state_dict reads
+            copied._metadata = value._metadata  # type: ignore[attr-defined]
+        return copied
+    if isinstance(value, list):
+        return [host_copy(v) for v in value]
+    if isinstance(value, tuple):
+        items = [host_copy(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value

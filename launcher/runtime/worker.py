@@ -269,7 +269,7 @@ class _Rank:
         notice.on_watch = self.beacon.write
         checkpoint = Checkpoints(
             self.config, rank=r.rank, world_size=r.world_size, local_rank=r.local_rank, device=device,
-            on_saved=self._saved, on_resumed=self._resumed,
+            on_saved=self._saved, on_resumed=self._resumed, steps_done=lambda: self.recorder.steps if self.recorder else 0,
         )  # fmt: skip
         self._seam(checkpoint, notice, device)
         ctx = WorkerContext(
@@ -293,12 +293,17 @@ class _Rank:
         try:
             with notice:
                 r.result = _jsonable(entry(ctx))
+            checkpoint.wait()  # a background write in flight is published before the rank reports; its failure fails the rank
         finally:
-            r.checkpoint = CheckpointActivity(checkpoint.resumed_step, checkpoint.last_step, round(checkpoint.save_s, 4), round(checkpoint.load_s, 4))
+            checkpoint.wait(raise_error=False)  # the job failed: the write in flight may still make a checkpoint to resume from
+            r.checkpoint = CheckpointActivity(checkpoint.resumed_step, checkpoint.last_step, round(checkpoint.save_s, 4), round(checkpoint.load_s, 4),
+                                              round(checkpoint.write_s, 4))  # fmt: skip
             r.stop_notice = notice.reason or None  # not ``requested``: that is a collective (the group's answer)
 
-    def _saved(self, step: int) -> None:
-        self.beacon.extra.update(ckpt_step=step, ckpt_at=self.recorder.steps if self.recorder else 0)
+    def _saved(self, step: int, at: int) -> None:
+        """A checkpoint published: ``at`` is the rank's step count when the job saved it (a
+        background write publishes steps later; what a failure loses counts from ``at``)."""
+        self.beacon.extra.update(ckpt_step=step, ckpt_at=at)
         self.beacon.write()
 
     def _resumed(self, step: int) -> None:

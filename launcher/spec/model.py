@@ -202,6 +202,9 @@ class CheckpointSettings(_Frozen):
     # share no filesystem each keep a copy of rank 0's)
     dir: str | None = None
     keep: StrictInt = Field(2, ge=1, le=1000)  # the newest complete checkpoints kept
+    # A replicated save (DDP) blocks the step only for a copy of rank 0's state to host memory; the
+    # file is written, synced and published on a thread while the job steps on (one at a time)
+    async_save: bool = False
 
 
 class Preemption(_Frozen):

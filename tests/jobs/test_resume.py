@@ -49,6 +49,24 @@ def test_a_rank_killed_mid_run_is_restarted_from_the_last_checkpoint_and_ends_wi
     assert "the job resumes from the checkpoint of step 8" in run.stderr + run.stdout
 
 
+def test_background_saves_are_published_before_each_rank_reports_and_a_resume_ends_with_the_same_model(tmp_path, uninterrupted) -> None:
+    """checkpoint.async_save: rank 0's saves write on a thread while the job steps on. A rank
+    killed at step 10 restarts the group from the newest checkpoint published by then (step 8's,
+    or step 4's where 8's write was still in flight), and the model still ends bit for bit as the
+    uninterrupted (synchronous) run's; the last save is published before rank 0 reports."""
+    run = run_job(tmp_path, "ddp_train", WRAPPER, *EPOCHS, "checkpoint.async_save=true", "params.kill_rank=1", "params.kill_at=10",
+                  f"params.marker={tmp_path / 'killed'}")  # fmt: skip
+    assert_succeeded(run, "ddp_train", [2])
+    first, second = run.result["stages"][0]["attempts"]
+    assert first["failure_class"] == "rank_lost" and first["checkpoint_step"] in (4, 8), first
+    assert second["status"] == "succeeded" and first["checkpoint_step"] <= second["resumed_step"] <= 8, second
+    assert sha_of(run) == sha_of(uninterrupted)
+    writer = next(r for r in run.ranks() if r["rank"] == 0)
+    assert writer["checkpoint"]["last_step"] == 24 and writer["checkpoint"]["write_s"] > 0, writer["checkpoint"]
+    checkpoints = run.run_dir / "world2" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000000020", "step-000000024"]  # published, keep: 2, no partial
+
+
 def test_a_checkpoint_cut_short_is_never_loaded(tmp_path, uninterrupted) -> None:
     # rank 0 (the writer) dies inside the save of step 12, after its first bytes
     run = run_job(tmp_path, "ddp_train", WRAPPER, *EPOCHS, "params.kill_rank=0", "params.kill_at=12", "params.kill_in_save=true",

@@ -24,7 +24,7 @@ def config(tmp_path: Path, **overrides: object) -> WorkerConfig:
     base = dict(
         job="j", stage_dir=str(tmp_path / "world1"), device_type="cpu", pg_backend="gloo", threads_per_worker=1,
         entrypoint="m:f", script=None, args=(), params={}, rendezvous_timeout_s=10, run_id="r1",
-        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_keep=2, job_identity=job_identity("j", "m:f"),
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_keep=2, checkpoint_async_save=False, job_identity=job_identity("j", "m:f"),
         collective_timeout_s=None, time_ddp=True, attempt=0, stop_grace_s=60.0, gpu_health=False, ranks_per_gpu=1,
     )  # fmt: skip
     return WorkerConfig(**{**base, **overrides})  # type: ignore[arg-type]
@@ -40,7 +40,7 @@ def state(value: float) -> dict:
 
 def test_what_is_saved_comes_back_and_only_the_newest_are_kept(tmp_path: Path) -> None:
     saved: list[int] = []
-    ck = Checkpoints(config(tmp_path), rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), on_saved=saved.append)
+    ck = Checkpoints(config(tmp_path), rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), on_saved=lambda step, at: saved.append(step))
     assert ck.load() is None  # a fresh start
     for step in (10, 20, 30):
         folder = ck.save(state(step), step=step)
@@ -161,3 +161,77 @@ def test_a_host_sigterm_is_a_notice_for_a_watching_job_and_the_handler_goes_with
         os.kill(os.getpid(), signal.SIGTERM)  # a spot VM's shutdown, say: this process lives on
         assert notice.requested is True and notice.reason == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_background_save_blocks_for_a_copy_and_publishes_what_was_saved(tmp_path: Path) -> None:
+    """checkpoint.async_save: the job changes its tensors in place right after save() returns,
+    while the file is still being written: the checkpoint holds the values at the save, it counts
+    as saved (on_saved, with the step count at the save) only once published, and the next save,
+    a load and wait() each wait for it."""
+    gate = threading.Event()
+    saved: list[tuple[int, int]] = []
+    done = [0]
+    ck = Checkpoints(config(tmp_path, checkpoint_async_save=True), rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
+                     on_saved=lambda step, at: saved.append((step, at)), steps_done=lambda: done[0])  # fmt: skip
+    write = ck._write_stream
+
+    def held_write(*args: object, **kwargs: object) -> Path:
+        assert gate.wait(30)
+        return write(*args, **kwargs)  # type: ignore[arg-type]
+
+    ck._write_stream = held_write  # type: ignore[method-assign]
+    model = {"w": torch.full((4, 4), 1.0)}
+    done[0] = 7
+    folder = ck.save({"model": model, "step": 1}, step=1)
+    assert folder == tmp_path / "ckpt" / "step-000000001"
+    model["w"].add_(100.0)  # the job steps on: its tensors change in place under the write
+    done[0] = 9
+    assert saved == [] and not folder.exists() and ck.last_step is None  # not published yet: not saved
+    gate.set()
+    ck.wait()
+    assert saved == [(1, 7)] and ck.last_step == 1 and ck.write_s > 0  # at: the count when the job saved
+    restored = checkpoints(tmp_path).load()
+    assert restored is not None and restored.step == 1
+    assert torch.equal(restored.state["model"]["w"], torch.full((4, 4), 1.0))  # the values at the save
+    ck.save({"model": model, "step": 2}, step=2)
+    ck.save({"model": model, "step": 3}, step=3)  # waits for step 2's write first: one in flight
+    assert [s for s, _ in saved] == [1, 2]
+    assert ck.load() is not None and ck.last_step == 3  # load waits for the write in flight: the newest is 3
+    assert [s for s, _ in complete_steps(tmp_path / "ckpt")] == [2, 3]
+
+
+def test_a_failed_background_write_fails_the_next_save_naming_it(tmp_path: Path) -> None:
+    ck = checkpoints(tmp_path, checkpoint_async_save=True)
+
+    def broken(*_args: object, **_kwargs: object) -> Path:
+        raise OSError(28, "No space left on device")
+
+    ck._write_stream = broken  # type: ignore[method-assign]
+    ck.save(state(1), step=1)
+    with pytest.raises(CheckpointError, match="background write of a checkpoint failed: OSError: .*No space left on device"):
+        ck.save(state(2), step=2)
+    assert ck.last_step is None and complete_steps(tmp_path / "ckpt") == []
+    ck.wait()  # the error was told once
+
+
+def test_a_host_copy_keeps_a_state_dicts_shape_and_versions() -> None:
+    """What load_state_dict reads back: the module's OrderedDict with its _metadata (versions),
+    an optimizer's nested groups, tuples and named tuples, each tensor a detached copy."""
+    from collections import namedtuple
+
+    model = torch.nn.BatchNorm1d(3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    Pair = namedtuple("Pair", "a b")
+    original = {"model": model.state_dict(), "opt": opt.state_dict(), "pair": Pair(torch.ones(1), 2), "t": (torch.zeros(1), "x")}
+    copied = checkpoint_module.host_copy(original)
+    assert type(copied["model"]) is type(original["model"]) and copied["model"]._metadata == original["model"]._metadata
+    assert isinstance(copied["pair"], Pair) and copied["pair"].b == 2 and isinstance(copied["t"], tuple)
+    for name, tensor in original["model"].items():
+        assert torch.equal(copied["model"][name], tensor) and copied["model"][name].data_ptr() != tensor.data_ptr()
+    assert copied["opt"]["param_groups"] == original["opt"]["param_groups"]
+    fresh = torch.nn.BatchNorm1d(3)
+    fresh.load_state_dict(copied["model"])
+    assert torch.equal(fresh.running_mean, model.running_mean)
+

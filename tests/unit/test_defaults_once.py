@@ -30,6 +30,7 @@ CARRIED_AS = {
     "WorkerConfig.collective_timeout_s": "collective_s",  # timeouts.collective_s
     "WorkerConfig.time_ddp": "stragglers",  # monitoring.stragglers
     "WorkerConfig.checkpoint_keep": "keep",  # checkpoint.keep
+    "WorkerConfig.checkpoint_async_save": "async_save",  # checkpoint.async_save
     "WorkerConfig.stop_grace_s": "grace_s",  # preemption.grace_s
     "RestartPolicy.stop_grace_s": "grace_s",
     "StragglerPolicy.factor": "straggler_factor",  # monitoring.straggler_factor
