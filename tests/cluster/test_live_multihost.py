@@ -81,6 +81,8 @@ def test_every_rank_on_two_remote_hosts_is_live_on_the_launching_machine(netns_c
     result = json.loads(result_file.read_text())
     (stage,) = result["stages"]
     assert [(s["rank"], s["host"]) for s in stage["stragglers"]] == [(3, "h2")], stage["stragglers"]
+    # the others' own work is base_s and more (the margin that keeps a preempted rank from looking slow)
+    assert stage["stragglers"][0]["peers_median_s"] >= 0.02, stage["stragglers"]
     flag = stage["stragglers"][0]
     assert flag["work_s"] > 0.03
     # flagged within straggler_hold_s + 5 s of the ranks' first step (its figure needs 20 steps first)

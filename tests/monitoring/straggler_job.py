@@ -50,8 +50,7 @@ def run(ctx):
 
 
 def _own_work(ctx, model, opt, slow_rank, extra_s, base_s):
-    if ctx.rank == slow_rank:
-        time.sleep(extra_s)
+    time.sleep(base_s + (extra_s if ctx.rank == slow_rank else 0.0))
     x = torch.randn(16, 32, device=ctx.device)
     opt.zero_grad()
     model(x).square().mean().backward()
