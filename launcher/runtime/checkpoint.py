@@ -387,14 +387,15 @@ class Checkpoints:
         self.last_step = step
         self._on_saved(step, at)
 
-    def wait(self, *, raise_error: bool = True) -> None:
-        """Until the background write in flight (``checkpoint.async_save``) is published; its
-        error, if it failed (``raise_error``: else it is dropped, as on a failing rank's way out)."""
+    def wait(self, *, raise_error: bool = True, timeout_s: float | None = None) -> None:
+        """Until the background write in flight (``checkpoint.async_save``) is published, or
+        ``timeout_s`` passed; its error, if it failed (``raise_error``: else it is dropped, as on
+        a failing rank's way out, which waits no longer than its stop grace)."""
         pending, self._in_flight = self._in_flight, None
         if pending is None:
             return
         try:
-            pending.result()
+            pending.result(timeout=timeout_s)
         except Exception as exc:
             if raise_error:
                 raise CheckpointError(f"ctx.checkpoint: the background write of a checkpoint failed: {type(exc).__name__}: {exc}") from exc

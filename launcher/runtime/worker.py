@@ -295,7 +295,8 @@ class _Rank:
                 r.result = _jsonable(entry(ctx))
             checkpoint.wait()  # a background write in flight is published before the rank reports; its failure fails the rank
         finally:
-            checkpoint.wait(raise_error=False)  # the job failed: the write in flight may still make a checkpoint to resume from
+            # the job failed: the write in flight may still make a checkpoint to resume from (within the stop grace)
+            checkpoint.wait(raise_error=False, timeout_s=self.config.stop_grace_s)
             r.checkpoint = CheckpointActivity(checkpoint.resumed_step, checkpoint.last_step, round(checkpoint.save_s, 4), round(checkpoint.load_s, 4),
                                               round(checkpoint.write_s, 4))  # fmt: skip
             r.stop_notice = notice.reason or None  # not ``requested``: that is a collective (the group's answer)
