@@ -17,7 +17,8 @@ other hosts' writers), and the file is written, digested, synced and published o
 the job steps on. One write is in flight at a time (the next ``save`` waits for it first, as do
 ``load`` and the rank's end, which fails the rank if the write failed); a checkpoint counts as
 saved (the beacon's ``ckpt_step``) once it is published. Sharded saves stay synchronous: DCP's
-own ``async_save`` publishes through a collective, which a background thread cannot join safely.
+own ``async_save`` runs its final metadata step's collectives from the background, which needs a
+process group of its own beside the job's (not built).
 
 ``load`` returns the newest complete checkpoint any host has, on this rank's device, or None on a
 fresh start. Files are written under a temporary name and published by a rename with a manifest
