@@ -1,5 +1,5 @@
 """The state a survivor sends a replacement in place (``launcher.runtime.peerstate``): two real
-gloo ranks (forked processes, a file store), a model with Adam trained a few steps on the
+gloo ranks (spawned processes, a file store), a model with Adam trained a few steps on the
 sender, a fresh one on the receiver; after the transfer both hold the same bits (parameters,
 every optimizer state tensor and value, hyperparameters), and one more identical step keeps
 them equal. A receiver whose model differs is refused with the tensor named."""
@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-HANG_GUARD_S = 240  # two forked processes on a file store: a hang guard, not a figure
+HANG_GUARD_S = 240  # two processes on a file store: a hang guard, not a figure
 
 
 def _model(width: int = 8) -> Any:
@@ -69,7 +69,10 @@ def _rank(rank: int, store_path: str, out: str, width: int) -> None:
 
 def _transfer(width: int = 8) -> tuple[dict[str, Any], dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = multiprocessing.get_context("fork")
+        # spawned, not forked: a child forked from a process that has run torch's intra-op pool
+        # (this pytest worker, after other tests) hangs in its first parallel op (GNU OpenMP is
+        # not fork-safe): seen as a rank killed by the hang guard in a fresh-clone run
+        ctx = multiprocessing.get_context("spawn")
         procs = [ctx.Process(target=_rank, args=(r, str(Path(tmp) / "store"), tmp, width)) for r in (0, 1)]
         for p in procs:
             p.start()

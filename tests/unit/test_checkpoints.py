@@ -76,6 +76,9 @@ def test_a_killed_save_leaves_no_step_folder(tmp_path: Path) -> None:
     if pid == 0:  # the child: a save whose torch.save is killed after its first write
         import signal
 
+        # forked from a pytest worker that may have run torch's intra-op pool: GNU OpenMP is not
+        # fork-safe (a parallel op would hang here), so the child runs every op on its own thread
+        torch.set_num_threads(1)
         ck = checkpoints(tmp_path)
         original = torch.save
         torch.save = lambda obj, f, *a, **k: (Path(f).write_bytes(b"PK\x03\x04"), os.kill(os.getpid(), signal.SIGKILL))  # type: ignore[assignment]
