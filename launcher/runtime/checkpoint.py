@@ -376,11 +376,11 @@ class Checkpoints:
         started = time.perf_counter()
         self.wait()  # one write in flight at a time; a failed one fails this save
         at = self._steps_done()
-        if self.async_save and not sharded:
-            folder = self._save_in_background(state, step, at)
-        else:
-            folder = self._save_sharded(state, step) if sharded else self._save_replicated(state, step)
+        if sharded:
+            folder = self._save_sharded(state, step)
             self._saved(step, at)
+        else:
+            folder = self._save_replicated(state, step, at)
         self.save_s += time.perf_counter() - started
         return folder
 
@@ -401,30 +401,6 @@ class Checkpoints:
             if raise_error:
                 raise CheckpointError(f"ctx.checkpoint: the background write of a checkpoint failed: {type(exc).__name__}: {exc}") from exc
 
-    def _save_in_background(self, state: Mapping[str, Any], step: int, at: int) -> Path | None:
-        """What must happen now happens now (the copy to host memory; a broadcast to the other
-        hosts' writers is a collective); the file is written on the writer thread. Returns where
-        the checkpoint will be, or None where this rank writes nothing."""
-        import torch
-
-        if self._shared_dir():
-            if self.rank != 0:
-                self._saved(step, at)  # as a synchronous save: rank 0 writes the one copy
-                return None
-            snapshot = host_copy(state)
-            return self._submit(step, at, lambda: self._write_stream(torch, snapshot, step))
-        if self.rank not in self._layout():
-            self._saved(step, at)
-            return None
-        payload: list[Any] = [None]
-        if self.rank == 0:
-            buffer = io.BytesIO()
-            torch.save(state, buffer)
-            payload = [buffer.getvalue()]
-        self._dist().broadcast_object_list(payload, src=0, group=self._leader_group)
-        data: bytes = payload[0]
-        return self._submit(step, at, lambda: self._write_bytes(data, step))
-
     def _submit(self, step: int, at: int, write: Callable[[], Path]) -> Path:
         def run() -> Path:
             started = time.perf_counter()
@@ -442,20 +418,32 @@ class Checkpoints:
         c = self._config
         return Manifest(step, c.job, c.job_identity, fmt, self.world_size, time.time(), c.run_id, c.attempt, dict(files))
 
-    def _save_replicated(self, state: Mapping[str, Any], step: int) -> Path | None:
+    def _save_replicated(self, state: Mapping[str, Any], step: int, at: int) -> Path | None:
+        """What must happen now happens now (with ``async_save``, rank 0's copy of its state to host
+        memory; a broadcast to the other hosts' writers is a collective either way); the file is
+        written now or, with ``async_save``, on the writer thread. Returns where the checkpoint is
+        (or will be), or None where this rank writes nothing."""
         import torch
 
+        write: Callable[[], Path] | None = None
         if self._shared_dir():  # one host, or one filesystem for all: rank 0 writes the one copy
-            return self._write_stream(torch, state, step) if self.rank == 0 else None
-        if self.rank not in self._layout():
-            return None
-        payload = [None]
-        if self.rank == 0:
-            buffer = io.BytesIO()
-            torch.save(state, buffer)
-            payload = [buffer.getvalue()]  # type: ignore[list-item]
-        self._dist().broadcast_object_list(payload, src=0, group=self._leader_group)
-        return self._write_bytes(payload[0], step)  # type: ignore[arg-type]
+            if self.rank == 0:
+                snapshot = host_copy(state) if self.async_save else state
+                write = lambda: self._write_stream(torch, snapshot, step)  # noqa: E731
+        elif self.rank in self._layout():
+            payload: list[Any] = [None]
+            if self.rank == 0:
+                buffer = io.BytesIO()
+                torch.save(state, buffer)
+                payload = [buffer.getvalue()]
+            self._dist().broadcast_object_list(payload, src=0, group=self._leader_group)
+            data: bytes = payload[0]
+            write = lambda: self._write_bytes(data, step)  # noqa: E731
+        if write is None or not self.async_save:
+            folder = write() if write is not None else None
+            self._saved(step, at)
+            return folder
+        return self._submit(step, at, write)
 
     def _partial(self, step: int) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)

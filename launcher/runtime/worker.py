@@ -269,7 +269,7 @@ class _Rank:
         notice.on_watch = self.beacon.write
         checkpoint = Checkpoints(
             self.config, rank=r.rank, world_size=r.world_size, local_rank=r.local_rank, device=device,
-            on_saved=self._saved, on_resumed=self._resumed, steps_done=lambda: self.recorder.steps if self.recorder else 0,
+            on_saved=self._saved, on_resumed=self._resumed, steps_done=self._steps_done,
         )  # fmt: skip
         self._seam(checkpoint, notice, device)
         ctx = WorkerContext(
@@ -301,6 +301,9 @@ class _Rank:
                                               round(checkpoint.write_s, 4))  # fmt: skip
             r.stop_notice = notice.reason or None  # not ``requested``: that is a collective (the group's answer)
 
+    def _steps_done(self) -> int:
+        return self.recorder.steps if self.recorder else 0
+
     def _saved(self, step: int, at: int) -> None:
         """A checkpoint published: ``at`` is the rank's step count when the job saved it (a
         background write publishes steps later; what a failure loses counts from ``at``)."""
@@ -308,7 +311,7 @@ class _Rank:
         self.beacon.write()
 
     def _resumed(self, step: int) -> None:
-        self.beacon.extra.update(resumed_step=step, ckpt_step=step, ckpt_at=self.recorder.steps if self.recorder else 0)
+        self.beacon.extra.update(resumed_step=step, ckpt_step=step, ckpt_at=self._steps_done())
         self.beacon.write()
 
     def _in_place_records(self) -> None:
