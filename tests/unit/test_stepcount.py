@@ -19,7 +19,8 @@ from launcher.protocol import HOST_LOST, RankProgress, StagePaths
 from launcher.runtime.stepcount import StepCounter, counter_path, read_steps, settle
 from tests.conftest import REPO
 
-# a rank's recorder with its counter: counts STEPS steps, says so, then dies as told
+# ranks' recorders with their counters, one per (path, steps) pair: each counts its steps, they
+# say so, then the process dies as told (one process for every count: a torch import is 1.5 s)
 _WRITER = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -27,20 +28,24 @@ _WRITER = textwrap.dedent(
     from launcher.runtime.metrics import MetricsRecorder
     from launcher.runtime.stepcount import StepCounter
 
-    path, steps, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    recorder = MetricsRecorder(torch.device("cpu"), step_counter=StepCounter.create(path))
-    for _ in range(steps):
-        recorder.step()
+    how, pairs = sys.argv[1], sys.argv[2:]
+    recorders = []
+    for path, steps in zip(pairs[::2], pairs[1::2]):
+        recorder = MetricsRecorder(torch.device("cpu"), step_counter=StepCounter.create(path))
+        for _ in range(int(steps)):
+            recorder.step()
+        recorders.append(recorder)
     if how == "self":
         os.kill(os.getpid(), signal.SIGKILL)  # stopped in silence right after a known step
-    print(f"stepped {recorder.steps}", flush=True)
+    print("stepped", *(recorder.steps for recorder in recorders), flush=True)
     time.sleep(3600)  # until the test SIGKILLs it
     """
 )
 
 
-def _writer(path: Path, steps: int, how: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(steps), how], cwd=REPO, stdout=subprocess.PIPE, text=True)
+def _writer(how: str, counts: dict[Path, int]) -> subprocess.Popen:
+    pairs = [str(arg) for path, steps in counts.items() for arg in (path, steps)]
+    return subprocess.Popen([sys.executable, "-c", _WRITER, how, *pairs], cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
 def test_a_new_counter_reads_zero_and_then_what_was_stored(tmp_path):
@@ -61,25 +66,24 @@ def test_a_counter_that_cannot_be_made_is_none(tmp_path):
     assert StepCounter.create(tmp_path / "file" / "rank0.steps") is None  # its folder is a file
 
 
-@pytest.mark.parametrize("steps", [1, 1234, 100_003])
-def test_the_count_survives_a_writer_sigkilled_mid_run(tmp_path, steps):
-    path = tmp_path / "rank0.steps"
-    proc = _writer(path, steps, "wait")
+def test_the_count_survives_a_writer_sigkilled_mid_run(tmp_path):
+    counts = {tmp_path / f"rank{rank}.steps": steps for rank, steps in enumerate([1, 1234, 100_003])}
+    proc = _writer("wait", counts)
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == f"stepped {steps}"
+        assert proc.stdout.readline().split() == ["stepped", *map(str, counts.values())]
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert read_steps(path) == steps
+    assert {path: read_steps(path) for path in counts} == counts
 
 
 def test_the_count_survives_a_writer_that_sigkills_itself_right_after_a_step(tmp_path):
     path = tmp_path / "rank0.steps"
-    proc = _writer(path, 777, "self")
+    proc = _writer("self", {path: 777})
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert read_steps(path) == 777
 
