@@ -138,8 +138,8 @@ def make_checkpoints(root: Path, cls: Any = None) -> Any:
 
     config = WorkerConfig(
         job="bench", stage_dir=str(root / "world1"), device_type="cpu", pg_backend="gloo", threads_per_worker=1,
-        entrypoint="benchmarks.checkpoint_io:none", script=None, args=(), params={}, rendezvous_timeout_s=10, run_id="bench",
-        checkpoint_dir=str(root / "ckpt"), checkpoint_keep=1, checkpoint_async_save=False, job_identity=job_identity("bench", "benchmarks.checkpoint_io:none"),
+        entrypoint="benchmarks.checkpoint_io:none", prepare=None, script=None, args=(), params={}, rendezvous_timeout_s=10, run_id="bench",
+        checkpoint_dir=str(root / "ckpt"), checkpoint_keep=1, checkpoint_async_save=False, warm_spares=0, job_identity=job_identity("bench", "benchmarks.checkpoint_io:none"),
         collective_timeout_s=None, time_ddp=True, attempt=0, stop_grace_s=60.0, gpu_health=False, ranks_per_gpu=1,
     )  # fmt: skip
     return (cls or Checkpoints)(config, rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -273,8 +273,8 @@ def _step_rank(rank: int, store_path: str, reps: int, steps: int, calls: int, ck
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     config = WorkerConfig(
         job="bench", stage_dir=str(Path(ckpt_root) / "world2"), device_type="cpu", pg_backend="gloo", threads_per_worker=1,
-        entrypoint="benchmarks.checkpoint_io:none", script=None, args=(), params={}, rendezvous_timeout_s=30, run_id="bench",
-        checkpoint_dir=str(Path(ckpt_root) / "ckpt"), checkpoint_keep=2, checkpoint_async_save=False, job_identity=job_identity("bench", "benchmarks.checkpoint_io:none"),
+        entrypoint="benchmarks.checkpoint_io:none", prepare=None, script=None, args=(), params={}, rendezvous_timeout_s=30, run_id="bench",
+        checkpoint_dir=str(Path(ckpt_root) / "ckpt"), checkpoint_keep=2, checkpoint_async_save=False, warm_spares=0, job_identity=job_identity("bench", "benchmarks.checkpoint_io:none"),
         collective_timeout_s=None, time_ddp=True, attempt=0, stop_grace_s=60.0, gpu_health=False, ranks_per_gpu=1,
     )  # fmt: skip
     ck = Checkpoints(config, rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))

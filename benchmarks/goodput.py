@@ -12,7 +12,9 @@ every ``--interval`` seconds the soak SIGKILLs rank 1 (its pid as the rank publi
 * ``in_place``: ``launch``, the job opted in with ``ctx.checkpoint.in_place``: the survivor keeps
   its process, a replacement is forked from the agent's rank server, the state from the survivor;
 * ``in_place_async``: the same with ``checkpoint.async_save: true`` (the disk checkpoint written on
-  a thread while the job steps on: the step waits only for a copy of the state).
+  a thread while the job steps on: the step waits only for a copy of the state);
+* ``in_place_async_spare``: the same with the job's start in its ``prepare`` (spec ``prepare``) and
+  ``checkpoint.warm_spares: 1``: the replacement is a spare that built its model and data ahead.
 
 Goodput = time on steps that count / wall: a step counts in its last execution (a step done
 again after a restart counts once, its lost first run not at all); the wall runs from the
@@ -21,7 +23,7 @@ in place; death -> the attempt recorded as ended, restart path), recovery (death
 the first step started after it: every rank stepping again), steps lost (done before the death,
 done again after it).
 
-    python benchmarks/goodput.py [--duration 300] [--interval 60] [--every 20] [--variants bare,restart,in_place,in_place_async] [--together]
+    python benchmarks/goodput.py [--duration 300] [--interval 60] [--every 20] [--variants bare,restart,in_place,in_place_async,in_place_async_spare] [--together]
 
 ``--together`` runs the variants at the same time (each its own 2 ranks, the faults at the same
 moments): on a machine whose load other work changes, one after the other they do not see the
@@ -47,7 +49,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "benchmarks" / "jobs" / "goodput_job.py"
-VARIANTS = ("bare", "restart", "in_place", "in_place_async")
+VARIANTS = ("bare", "restart", "in_place", "in_place_async", "in_place_async_spare")
 
 
 def _env() -> dict[str, str]:
@@ -72,9 +74,11 @@ def _start(variant: str, work: Path, end_at: float, args: Any) -> subprocess.Pop
             "name": f"goodput_{variant}", "entrypoint": "benchmarks.jobs.goodput_job:run",
             "params": {**common, "mode": "in_place" if variant.startswith("in_place") else variant},
             "resources": {"cpu_workers": 2}, "scaling": {"workers": [2]}, "max_restarts": 100,
-            "checkpoint": {"keep": 1, "async_save": variant.endswith("_async")},
+            "checkpoint": {"keep": 1, "async_save": "_async" in variant, "warm_spares": 1 if variant.endswith("_spare") else 0},
             "timeouts": {"rendezvous_s": 300, "run_s": args.duration + 900},
         }  # fmt: skip
+        if variant.endswith("_spare"):  # the job's start in prepare(): a warm spare has built it when a rank is lost
+            spec["prepare"] = "benchmarks.jobs.goodput_job:prepare"
         (work / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         cmd = [sys.executable, "-m", "launcher", str(work / "spec.yaml"), "--out", str(work / "runs"), "--quiet"]
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

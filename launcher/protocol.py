@@ -150,6 +150,7 @@ class WorkerConfig:
     # torch reads OMP_NUM_THREADS itself and the worker leaves it alone
     threads_per_worker: int | None
     entrypoint: str | None
+    prepare: str | None  # the job's rank-independent start (module:function), run before the rank joins (spec: prepare)
     script: str | None
     args: tuple[str, ...]
     params: Mapping[str, Any]  # resolved: the workload's defaults filled in, as the dry run shows
@@ -165,6 +166,7 @@ class WorkerConfig:
     checkpoint_dir: str
     checkpoint_keep: int
     checkpoint_async_save: bool  # rank 0's save blocks only for a copy; the file is written on a thread (spec: checkpoint.async_save)
+    warm_spares: int  # per node, ready for recovery in place with ``prepare`` run (spec: checkpoint.warm_spares)
     job_identity: str
     attempt: int  # 0 for the stage's first start, then one more per restart
     stop_grace_s: float  # a stop notice's deadline: the seconds the job has to save and return (spec: preemption.grace_s)

@@ -124,6 +124,9 @@ class Recovery:
     resumed_step: int | None = None  # the completed steps the group went on from
     steps_lost: int | None = None  # steps done before the death that were done again
     why: str = ""  # a fallback's reason
+    # what took each dead rank's place: "warm spare" (its prepare done ahead), "warm spare
+    # (preparing)" (sent before its prepare returned), "forked" (from the rank server at the loss)
+    replacements: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Recovery":
@@ -140,6 +143,7 @@ class Recovery:
             dead_ranks=tuple(int(r) for r in data.get("dead_ranks") or ()), died_at=float(data.get("died_at") or 0.0),
             detection_s=number("detection_s"), recovery_s=number("recovery_s"), state_s=number("state_s"),
             state_bytes=count("state_bytes"), resumed_step=count("resumed_step"), steps_lost=count("steps_lost"), why=str(data.get("why") or ""),
+            replacements=tuple(str(r) for r in data.get("replacements") or ()),
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,6 +151,7 @@ class Recovery:
             "attempt": self.attempt, "gen": self.gen, "path": "in_place" if self.in_place else "restart", "dead_ranks": list(self.dead_ranks),
             "died_at": self.died_at, "detection_s": self.detection_s, "recovery_s": self.recovery_s, "state_s": self.state_s,
             "state_bytes": self.state_bytes, "resumed_step": self.resumed_step, "steps_lost": self.steps_lost, "why": self.why,
+            "replacements": list(self.replacements),
         }  # fmt: skip
 
 

@@ -12,7 +12,8 @@ renamed: the soak's killer never reads half a file).
   of model and optimizer by rank 0 every ``--every`` steps (written then renamed), loaded at start;
 * ``restart`` (the launcher, ``run(ctx)``): ``ctx.checkpoint.save`` every ``every`` steps, ``load`` at start;
 * ``in_place`` (the launcher): the same, plus ``ctx.checkpoint.in_place``: a lost rank is replaced
-  while the other keeps its process.
+  while the other keeps its process; with the spec's ``prepare: ...goodput_job:prepare`` the
+  model, optimizer and data are built there (``ctx.prepared``), and a warm spare builds them ahead.
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ def _loop(first: int, run_step: Callable[[int], Any], save: Callable[[int], None
             return step
 
 
+def prepare(params: Any) -> tuple[Any, Any, Any]:
+    """The job's start that does not depend on the rank (the spec's ``prepare``, when a variant
+    names it): what a warm spare builds ahead of a loss."""
+    import torch
+
+    return _build(torch, int(params["samples"]))
+
+
 def run(ctx: Any) -> dict[str, Any]:
     """The launcher's variants (``restart``, ``in_place``: ``params.mode``)."""
     import torch
@@ -90,7 +99,7 @@ def run(ctx: Any) -> dict[str, Any]:
     args = argparse.Namespace(**ctx.params)
     _publish(Path(args.pids) / f"rank{ctx.rank}", str(os.getpid()))
     torch.set_num_threads(1)
-    model, opt, x = _build(torch, args.samples)
+    model, opt, x = ctx.prepared if ctx.prepared is not None else _build(torch, args.samples)
     first = 0
     if (restored := ctx.checkpoint.load()) is not None:
         model.load_state_dict(restored.state["model"])

@@ -273,6 +273,7 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         pg_backend=pg_backend(job, device_type),
         threads_per_worker=threads,
         entrypoint=spec.entrypoint,
+        prepare=spec.prepare,
         script=str(job.script_path()) if spec.script else None,
         args=spec.args,
         params=dict(job.params),  # resolved once by the launcher: what the dry run shows is what ranks get
@@ -283,6 +284,7 @@ def _worker_config(job: LoadedJob, paths: StagePaths, device_type: str, threads:
         checkpoint_dir=str(checkpoint_root(job, paths)),
         checkpoint_keep=spec.checkpoint.keep,
         checkpoint_async_save=spec.checkpoint.async_save,
+        warm_spares=spec.checkpoint.warm_spares,
         job_identity=job_identity_of(job),
         attempt=attempt,
         stop_grace_s=float(spec.preemption.grace_s),

@@ -141,8 +141,8 @@ def _keep_ranks(worker_json: str, first_rank: int) -> None:
     from launcher.protocol import WorkerConfig
     from launcher.runtime.keeper import Keeper
 
-    attempt = WorkerConfig.from_json(Path(worker_json).read_text()).attempt
-    Keeper(Path(os.environ[ENV_STAGE_DIR]), attempt, first_rank).install()
+    config = WorkerConfig.from_json(Path(worker_json).read_text())
+    Keeper(Path(os.environ[ENV_STAGE_DIR]), config.attempt, first_rank, spares=config.warm_spares).install()
 
 
 def _serve_store_on_rendezvous_address() -> None:
@@ -312,6 +312,8 @@ class _RankProcess(ForkServerProcess):
         now = time.time()
         found: dict[int, tuple[int, int, int, float]] = {}
         for proc in cls._started:
+            if getattr(proc, "waiting_spare", False):
+                continue  # a warm spare that never became a rank (``launcher.runtime.spare``)
             local_rank = int(proc.rank_args[1])  # torch.multiprocessing.spawn's _wrap(fn, i, ...)
             code = proc.exitcode
             if code and not getattr(proc, "recovered_in_place", False) and first_rank + local_rank not in found:

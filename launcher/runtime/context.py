@@ -32,6 +32,9 @@ class WorkerContext:
     # how many ranks of the node compute on this rank's GPU (resources.ranks_per_gpu; 1 on the CPU):
     # above 1 the process group is gloo over CUDA tensors, since NCCL refuses two ranks on one GPU
     ranks_per_gpu: int
+    # what the job's ``prepare(params)`` returned in this process (spec: prepare; None without
+    # one): its rank-independent start, made before the rank joined (ahead, in a warm spare)
+    prepared: Any
 
     @property
     def should_stop(self) -> bool:

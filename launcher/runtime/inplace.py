@@ -252,6 +252,7 @@ class InPlace:
             **pending,
             "in_place": True,
             "dead_pids": death.get("pids"), "exitcodes": death.get("exitcodes"), "replacement_pids": death.get("replacement_pids"),
+            "replacements": death.get("replacements"),
             "died_at": died, "seen_by_keeper_at": death.get("seen_at"), "forked_at": death.get("forked_at"), "stepped_at": stepped,
             "detection_s": round(pending["detected_at"] - died, 4), "recovery_s": round(stepped - died, 4),
             "state_s": round(pending["state_sent_at"] - pending["grouped_at"], 4),

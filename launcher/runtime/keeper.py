@@ -20,12 +20,20 @@ is handed back to torch's context, which then sees the loss as it would have and
 group: the restart path runs, unchanged, and ``gen<k>.fallback.json`` says why. A rank that
 exited with a code (a job error, a report written) is never replaced: a bug fails again.
 
+With ``checkpoint.warm_spares`` the keeper also keeps that many spares (``launcher.runtime.spare``):
+processes forked once every rank has opted in, which run the job's ``prepare`` and wait; a loss
+is handed to a spare first (its job's start done ahead), to a fork only when none is left, and a
+spare is forked again once the recovery is over.
+
 Only for a stage on one node: ranks on other hosts would need every host's keeper to agree on a
 generation over the network, which is not built (``docs/fault-tolerance.md``).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
@@ -51,6 +59,12 @@ class _Lost:
 
 
 @dataclass
+class _Spare:
+    process: Any  # a rank process of the agent's kind, waiting (``launcher.runtime.spare.serve``)
+    orders: Any  # the keeper's end of its pipe: the place it takes, once
+
+
+@dataclass
 class _Recovery:
     gen: int
     lost: list[_Lost]
@@ -62,7 +76,7 @@ class _Recovery:
 class Keeper:
     """One per agent (one node, one attempt): ``install()`` hooks torch's polling of the ranks."""
 
-    def __init__(self, stage_dir: Path, attempt: int, first_rank: int, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, stage_dir: Path, attempt: int, first_rank: int, log: Callable[[str], None] | None = None, *, spares: int = 0) -> None:
         self.paths = StagePaths(stage_dir)
         self.root = folder(stage_dir, attempt)
         self.attempt = attempt
@@ -72,6 +86,8 @@ class Keeper:
         self.given_up = False  # after a fallback: the restart path has this attempt
         self.renamed: dict[int, int] = {}  # a worker's pid -> the pid that took its place (torch's agent checks them)
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.wanted_spares = spares
+        self.spares: list[_Spare] = []
 
     def install(self) -> None:
         import importlib
@@ -82,9 +98,13 @@ class Keeper:
 
         def join(context: Any, timeout: float | None = None, grace_period: float | None = None) -> bool:
             keeper.tend(context)
-            return bool(original(context, timeout, grace_period))
+            done = bool(original(context, timeout, grace_period))
+            if done:
+                keeper.release_spares()  # every rank ended well: no loss left to take
+            return done
 
         spawn.ProcessContext.join = join
+        atexit.register(self.release_spares)  # a failed attempt's agent leaves through here
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
         monitor = LocalElasticAgent._monitor_workers
@@ -106,6 +126,8 @@ class Keeper:
                 self._settle(context)
             if self.recovery is None and not self.given_up:
                 self._replace_lost(context)
+            if self.recovery is None and not self.given_up and len(self.spares) < self.wanted_spares:
+                self._keep_spares(context)
         except Exception as exc:  # noqa: BLE001 - the keeper never breaks the agent: torch's path stays
             self._log(f"gpulaunch-keeper: {type(exc).__name__}: {exc}; the restart path has this loss")
             self.given_up = True
@@ -138,9 +160,13 @@ class Keeper:
             "exitcodes": [x.original.exitcode for x in lost], "seen_at": seen, "steps_at_death": self._steps_at_death(recovery),
         }  # fmt: skip
         write_json_atomic(death_path(self.root, self.gen), death, durable=False)  # published whole: the survivors act on it
+        kinds = []
         for item in lost:
-            item.replacement = self._fork(context, item, self.gen)
-        death.update(forked_at=time.time(), replacement_pids=[x.replacement.pid for x in lost])
+            item.replacement = self._assign_spare(context, item, self.gen)
+            kinds.append("forked" if item.replacement is None else self._spare_state(item.replacement.pid))
+            if item.replacement is None:
+                item.replacement = self._fork(context, item, self.gen)
+        death.update(forked_at=time.time(), replacement_pids=[x.replacement.pid for x in lost], replacements=kinds)
         write_json_atomic(death_path(self.root, self.gen), death, durable=False)
         self.recovery = recovery
         self._log(f"gpulaunch-keeper: rank(s) {death['ranks']} lost (exit {death['exitcodes']}); replaced in place, generation {self.gen}")
@@ -160,12 +186,79 @@ class Keeper:
         new_args = (*args[:2], envs, *args[3:])
         process = type(old)(target=old.rank_target, args=(fn, index, new_args, error_file), daemon=old.daemon)
         process.start()
+        self._take_place(context, item, process)
+        return process
+
+    def _take_place(self, context: Any, item: _Lost, process: Any) -> None:
+        """``process`` holds the lost rank's place in torch's context (and in its agent's pids)."""
+        old = item.original
         context.sentinels.pop(old.sentinel, None)
-        context.processes[index] = process
-        context.sentinels[process.sentinel] = index
+        context.processes[item.index] = process
+        context.sentinels[process.sentinel] = item.index
         self.renamed.pop(process.pid, None)
         self.renamed[old.pid] = process.pid
-        return process
+
+    # --- warm spares --------------------------------------------------------------------------
+    def _keep_spares(self, context: Any) -> None:
+        """One more spare, once every rank of the node has opted in (so the job recovers in
+        place, and its ranks' own start is over: the spare's ``prepare`` overlaps steps)."""
+        ended = [spare.process for spare in self.spares if spare.process.exitcode is not None]
+        if ended:  # a spare dies only of its own (its prepare failed, the OOM killer): no loop of new ones
+            self.wanted_spares = 0
+            self._log(f"gpulaunch-keeper: a warm spare ended (exit {ended[0].exitcode}) before it was needed; none again this attempt")
+            return
+        for index, process in enumerate(context.processes):
+            armed = read_json(armed_path(self.root, self.first_rank + index))
+            if not isinstance(armed, dict) or armed.get("pid") != process.pid:
+                return
+        from launcher.runtime.spare import serve
+
+        template = context.processes[0]
+        fn, _, args, _ = template.rank_args  # torch's arguments hold every local rank's
+        receiver, sender = multiprocessing.Pipe(duplex=False)
+        process = type(template)(target=serve, args=(template.rank_target, fn, args, receiver, str(self.root)), daemon=template.daemon)
+        process.waiting_spare = True  # not a rank (yet): the agent's exit report skips it
+        process.start()
+        receiver.close()
+        self.spares.append(_Spare(process, sender))
+
+    def _assign_spare(self, context: Any, item: _Lost, gen: int) -> Any:
+        """A waiting spare sent to take ``item``'s place, or None where none is left."""
+        fn, index, args, error_file = item.original.rank_args
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.process.exitcode is not None:
+                continue
+            try:
+                spare.orders.send({"index": index, "gen": gen, "error_file": error_file})
+            except OSError:
+                continue
+            finally:
+                spare.orders.close()
+            process = spare.process
+            envs = dict(args[2])
+            envs[index] = {**envs[index], ENV_GEN: str(gen)}
+            process.rank_target, process.rank_args = item.original.rank_target, (fn, index, (*args[:2], envs, *args[3:]), error_file)
+            process.waiting_spare = False
+            self._take_place(context, item, process)
+            return process
+        return None
+
+    def _spare_state(self, pid: int) -> str:
+        """How ready the spare sent was: its ``prepare`` done, or still under way."""
+        from launcher.runtime.spare import ready_path
+
+        return "warm spare" if ready_path(self.root, pid).exists() else "warm spare (preparing)"
+
+    def release_spares(self) -> None:
+        """The spares of an attempt that ended: stopped (one that is preparing does not read its pipe)."""
+        spares, self.spares = self.spares, []
+        for spare in spares:
+            spare.orders.close()
+            if spare.process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(spare.process.pid, signal.SIGKILL)
+                spare.process.join(5.0)
 
     def _settle(self, context: Any) -> None:
         recovery = self.recovery

@@ -47,6 +47,7 @@ from launcher.protocol import (  # noqa: E402
     rank_device,
 )
 from launcher.runtime.checkpoint import listen_for_stop_notice  # noqa: E402
+from launcher.runtime.entry import load_entrypoint  # noqa: E402
 from launcher.runtime.rendezvous_store import AGENT_STORE_ENV, serve_store, torch_store  # noqa: E402
 from launcher.runtime.hangdump import RankAccount, enable_flight_recorder  # noqa: E402
 
@@ -163,6 +164,7 @@ class _Rank:
         self.store: Any = None  # the stage's store this rank joined on (a replacement in place joins on it too)
         self.store_server: Any = None  # rank 0's own store, where no agent hosts one (serve_own_store)
         self.set_agent_store = False  # this rank set TORCHELASTIC_USE_AGENT_STORE (serve_own_store)
+        self.prepared: Any = None  # what the job's ``prepare`` returned (``ctx.prepared``)
 
     def prepare(self, step_hooks: Sequence[Callable[[int, float], None]]) -> tuple[Any, Any]:
         """Import torch and the job, pick the device, make the recorder: (entry function, device)."""
@@ -173,8 +175,9 @@ class _Rank:
         self.dist = dist
         if self.config.threads_per_worker is not None:  # None: the spec's OMP_NUM_THREADS, read by torch itself
             torch.set_num_threads(self.config.threads_per_worker)
-        entry = _load_entrypoint(self.config.entrypoint) if self.config.entrypoint else None
+        entry = load_entrypoint(self.config.entrypoint) if self.config.entrypoint else None
         self.phases["imported"] = time.time()
+        self._prepare()
         device = _select_device(torch, self.config, self.report.device, self.report.local_rank)
         self.report.device = str(device)
         from launcher.runtime.metrics import MetricsRecorder
@@ -192,6 +195,17 @@ class _Rank:
         if self.report.world_size > 1 and self.config.time_ddp:  # every DDP model the job builds reports its own work per step
             self.undo_ddp_timing = _time_ddp_models(recorder.work_clock)  # undone in finish()
         return entry, device
+
+    def _prepare(self) -> None:
+        """The job's ``prepare(params)``, before the rank joins its group (on the CPU: the device
+        is the rank's to pick next); a warm spare that became this rank ran it already."""
+        from launcher.runtime.spare import NOT_PREPARED, take_prepared
+
+        self.prepared = take_prepared()
+        if self.prepared is NOT_PREPARED:
+            self.prepared = load_entrypoint(self.config.prepare)(self.config.params) if self.config.prepare else None
+            if self.config.prepare:
+                self.phases["prepared"] = time.time()
 
     def serve_own_store(self) -> None:
         """Where no agent hosts the stage's store (Ray's ranks; torchrun's agent of node 0 hosts it
@@ -288,6 +302,7 @@ class _Rank:
             checkpoint=checkpoint,
             stop_notice=notice,
             ranks_per_gpu=self.config.ranks_per_gpu if device.type == "cuda" else 1,
+            prepared=self.prepared,
         )
         self.beacon.set_phase("running")
         try:
@@ -415,13 +430,6 @@ def _time_ddp_models(clock: Any) -> Callable[[], None]:
     except (AttributeError, KeyError, ImportError) as exc:
         print(f"gpulaunch: DDP models not timed for straggler detection ({type(exc).__name__}: {exc})", file=sys.stderr)
         return lambda: None
-
-
-def _load_entrypoint(entrypoint: str) -> Callable[[Any], Any]:
-    import importlib
-
-    module_name, _, func_name = entrypoint.partition(":")
-    return getattr(importlib.import_module(module_name), func_name)
 
 
 def _select_device(torch: Any, config: WorkerConfig, planned: str, local_rank: int) -> Any:

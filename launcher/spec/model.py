@@ -205,6 +205,12 @@ class CheckpointSettings(_Frozen):
     # A replicated save (DDP) blocks the step only for a copy of rank 0's state to host memory; the
     # file is written, synced and published on a thread while the job steps on (one at a time)
     async_save: bool = False
+    # Recovery in place (ctx.checkpoint.in_place, torchrun on one node): processes per node kept
+    # ready to take a lost rank's place, each with the job's `prepare` already run (its model
+    # built, its data warmed up), so a replacement starts no job of its own. Each holds what
+    # `prepare` returns (a model's worth of memory) and spends one `prepare` of CPU, once the
+    # ranks are stepping and again after each recovery. 0: a replacement is forked at the loss.
+    warm_spares: StrictInt = Field(0, ge=0, le=8)
 
 
 class Preemption(_Frozen):
@@ -339,6 +345,10 @@ class Monitoring(_Frozen):
 class JobSpec(_Frozen):
     name: str = Field(pattern=r"^[a-z0-9_-]+$", max_length=64)
     entrypoint: str | None = Field(None, pattern=ENTRYPOINT.pattern)
+    # The job's start that does not depend on its rank (module:function, called with the params
+    # before the rank joins its group; ctx.prepared holds what it returns): build the model on
+    # the CPU, warm the data pipeline. A warm spare (checkpoint.warm_spares) runs it ahead.
+    prepare: str | None = Field(None, pattern=ENTRYPOINT.pattern)
     script: str | None = None
     args: tuple[Annotated[str, BeforeValidator(_scalar_to_str)], ...] = ()
     params: FrozenMap = Field(default_factory=dict)
@@ -396,6 +406,10 @@ class JobSpec(_Frozen):
                              "set scaling.workers: auto (or drop it), or give nodes one count")
         if self.args and self.script is None:
             raise ValueError("'args' is for 'script' mode; give an entrypoint its 'params'")
+        if self.prepare is not None and self.entrypoint is None:
+            raise ValueError("'prepare' (module:function) goes with an 'entrypoint'; a script prepares itself")
+        if self.checkpoint.warm_spares and self.prepare is None:
+            raise ValueError("checkpoint.warm_spares: a spare runs the job's 'prepare' ahead; set prepare: module:function")
         return self
 
     @property
@@ -607,6 +621,8 @@ def check_references(loaded: LoadedJob, sourced: SourcedData | None = None) -> d
         assert script is not None
         if not script.is_file():
             raise SpecError([f"{field_label(at.locate(('script',)), 'script')}: no such file {script}"])
+    if spec.prepare is not None:
+        check_entrypoint(spec.prepare, spec.env.get("PYTHONPATH", ""), field_label(at.locate(("prepare",)), "prepare"), loaded.base_dir)
     if spec.entrypoint is not None:
         label = field_label(at.locate(("entrypoint",)), "entrypoint")
         model = check_entrypoint(spec.entrypoint, spec.env.get("PYTHONPATH", ""), label, loaded.base_dir)

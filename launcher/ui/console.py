@@ -209,8 +209,9 @@ def _recovery_lines(stages: list[Mapping[str, Any]]) -> list[Text]:
                 out.append(Text(f"{where}; not recovered in place ({r.get('why') or 'no reason recorded'}): the restart path", style="yellow"))
                 continue
             state = f", state {r['state_bytes'] / 1e6:,.1f} MB from a survivor's memory" if r.get("state_bytes") else ""
+            by = f" by a {' and a '.join(r['replacements'])}" if any(k.startswith("warm spare") for k in r.get("replacements") or ()) else ""
             out.append(Text(
-                f"{where}; recovered in place in {_cell(r.get('recovery_s'))} s (seen after {_cell(r.get('detection_s'))} s{state}), "
+                f"{where}; recovered in place{by} in {_cell(r.get('recovery_s'))} s (seen after {_cell(r.get('detection_s'))} s{state}), "
                 f"from step {_cell(r.get('resumed_step'))}, {_cell(r.get('steps_lost'))} step(s) lost, no restart",
                 style="yellow",
             ))  # fmt: skip

@@ -58,8 +58,8 @@ from launcher.checkpoint_store import job_identity
 from launcher.protocol import WorkerConfig
 from launcher.runtime.checkpoint import Checkpoints
 cfg = WorkerConfig(job="j", stage_dir="{tmp_path}/w", device_type="cuda", pg_backend="nccl", threads_per_worker=1, entrypoint="m:f",
-                   script=None, args=(), params={{}}, rendezvous_timeout_s=10, checkpoint_dir="{tmp_path}/ck", job_identity=job_identity("j", "m:f"),
-                   collective_timeout_s=None, run_id="r1", time_ddp=True, checkpoint_keep=2, checkpoint_async_save=False, attempt=0, stop_grace_s=60.0, gpu_health=False,
+                   prepare=None, script=None, args=(), params={{}}, rendezvous_timeout_s=10, checkpoint_dir="{tmp_path}/ck", job_identity=job_identity("j", "m:f"),
+                   collective_timeout_s=None, run_id="r1", time_ddp=True, checkpoint_keep=2, checkpoint_async_save=False, warm_spares=0, attempt=0, stop_grace_s=60.0, gpu_health=False,
                    ranks_per_gpu=1)
 last = torch.device(f"cuda:{{torch.cuda.device_count() - 1}}")
 Checkpoints(cfg, rank=0, world_size=1, local_rank=0, device=torch.device("cuda:0")).save({{"w": torch.ones(3, device="cuda:0")}}, step=1)

@@ -8,6 +8,12 @@ step and the rank (the data order is deterministic whatever restarts), a checkpo
 replaces a lost one in place exits at once (code 3), before it joins: the keeper must fall back
 to the restart path. ``params.wait_s`` (600 by default: a hang guard, never reached where the
 recovery works) bounds the recovery.
+
+``prepare`` (the spec's ``prepare``, with ``checkpoint.warm_spares``): the model and optimizer built
+before the rank is known, each call's pid appended to ``params.prepared_log``; ``run`` then takes
+them from ``ctx.prepared``. ``params.await_spare``: the victim dies only once a warm spare has
+prepared (its ready file under the stage's ``in_place/``), so the spare that takes its place is
+ready whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -15,8 +21,30 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
+
+
+def _build() -> tuple[Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def prepare(params: Any) -> tuple[Any, Any]:
+    with open(params["prepared_log"], "a") as log:
+        log.write(f"{os.getpid()}\n")
+    return _build()
+
+
+def _await_spare(ctx: Any) -> None:
+    ready = Path(ctx.stage_dir) / "in_place" / "attempt0"
+    deadline = time.monotonic() + 120  # a hang guard: a spare prepares in well under a second
+    while not any(ready.glob("spare.*.json")) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def run(ctx: Any) -> dict[str, Any]:
@@ -26,9 +54,7 @@ def run(ctx: Any) -> dict[str, Any]:
     if ctx.param("replacement") == "fail" and os.environ.get("GPULAUNCH_IN_PLACE_GEN"):
         os._exit(3)
     steps, every = int(ctx.param("steps", 30)), int(ctx.param("checkpoint_every", 10))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, opt = ctx.prepared if ctx.prepared is not None else _build()
     start = 0
     if (restored := ctx.checkpoint.load()) is not None:
         model.load_state_dict(restored.state["model"])
@@ -41,6 +67,8 @@ def run(ctx: Any) -> dict[str, Any]:
         if step == int(ctx.param("kill_at", -1)) and ctx.rank == int(ctx.param("victim", 1)):
             marker = Path(ctx.param("marker"))
             if not marker.exists():
+                if ctx.param("await_spare"):
+                    _await_spare(ctx)
                 marker.write_text(f"{os.getpid()}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
         data = torch.Generator().manual_seed(step * 1000 + ctx.rank)
@@ -59,4 +87,4 @@ def run(ctx: Any) -> dict[str, Any]:
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
         digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return {"model_sha256": digest.hexdigest(), "first_step": first, "steps": steps, "gen": live.gen}
+    return {"model_sha256": digest.hexdigest(), "first_step": first, "steps": steps, "gen": live.gen, "pid": os.getpid()}

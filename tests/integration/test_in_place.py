@@ -21,7 +21,7 @@ ENTRY = "tests.integration.in_place_job:run"
 HANG_GUARD_S = 400
 
 
-def _run(tmp_path: Path, name: str, max_restarts: int = 0, **params: Any) -> dict[str, Any]:
+def _run(tmp_path: Path, name: str, max_restarts: int = 0, spec_extra: dict[str, Any] | None = None, **params: Any) -> dict[str, Any]:
     spec = write_spec(
         tmp_path,
         name=name,
@@ -29,6 +29,7 @@ def _run(tmp_path: Path, name: str, max_restarts: int = 0, **params: Any) -> dic
         params={"steps": 30, "checkpoint_every": 10, "marker": str(tmp_path / f"{name}.killed"), **params},
         max_restarts=max_restarts,
         timeouts={"rendezvous_s": 120, "run_s": HANG_GUARD_S},
+        **(spec_extra or {}),
     )
     out = tmp_path / f"{name}-runs"
     run = Launched(spec, out)
@@ -87,3 +88,26 @@ def test_a_replacement_that_cannot_join_falls_back_to_the_restart_path(tmp_path:
     (recovery,) = stage["recoveries"]
     assert recovery["path"] == "restart" and "replacement ended" in recovery["why"], recovery
     assert _hashes(result) == uninterrupted
+
+
+def test_a_warm_spare_takes_the_lost_ranks_place_with_its_start_done_ahead(tmp_path: Path, uninterrupted: set[str]) -> None:
+    prepared_log = tmp_path / "prepared.log"
+    spare = {"prepare": "tests.integration.in_place_job:prepare", "checkpoint": {"warm_spares": 1}}
+    result = _run(tmp_path, "spare", max_restarts=1, spec_extra=spare, kill_at=17, victim=1, await_spare=True, prepared_log=str(prepared_log))
+    stage = result["stages"][0]
+    assert stage["status"] == "succeeded" and stage["restarts"] == 0, stage
+    (recovery,) = stage["recoveries"]
+    assert recovery["path"] == "in_place" and recovery["replacements"] == ["warm spare"], recovery
+    assert recovery["resumed_step"] == 17 and recovery["steps_lost"] == 0, recovery
+    folder = Path(result["_run_dir"]) / "world2/in_place/attempt0"
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    replacement = ranks[1]["result"]["pid"]
+    assert (folder / f"spare.{replacement}.json").exists()  # the rank that took the place is the spare that prepared
+    assert ranks[1]["result"]["first_step"] == 17 and ranks[1]["result"]["gen"] == 1
+    prepared = [int(line) for line in prepared_log.read_text().split()]
+    # each process prepared once: both ranks, the spare that became rank 1 (not again as a rank),
+    # and the spare forked after the recovery (stopped unused at the end: no process is left)
+    killed = int((tmp_path / "spare.killed").read_text())
+    assert {ranks[0]["result"]["pid"], killed, replacement} <= set(prepared) and len(prepared) == len(set(prepared)), prepared
+    assert len(prepared) in (3, 4), prepared  # the next spare may not have been forked before the run ended
+    assert _hashes(result) == uninterrupted  # bit for bit

@@ -23,8 +23,8 @@ from tests.fake_time import FakeTime
 def config(tmp_path: Path, **overrides: object) -> WorkerConfig:
     base = dict(
         job="j", stage_dir=str(tmp_path / "world1"), device_type="cpu", pg_backend="gloo", threads_per_worker=1,
-        entrypoint="m:f", script=None, args=(), params={}, rendezvous_timeout_s=10, run_id="r1",
-        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_keep=2, checkpoint_async_save=False, job_identity=job_identity("j", "m:f"),
+        entrypoint="m:f", prepare=None, script=None, args=(), params={}, rendezvous_timeout_s=10, run_id="r1",
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_keep=2, checkpoint_async_save=False, warm_spares=0, job_identity=job_identity("j", "m:f"),
         collective_timeout_s=None, time_ddp=True, attempt=0, stop_grace_s=60.0, gpu_health=False, ranks_per_gpu=1,
     )  # fmt: skip
     return WorkerConfig(**{**base, **overrides})  # type: ignore[arg-type]

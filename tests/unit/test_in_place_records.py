@@ -64,3 +64,13 @@ def test_the_summary_tells_each_loss_in_place_or_not() -> None:
         "from step 17, 0 step(s) lost, no restart",
         "world 2, attempt 1: rank(s) 0 lost; not recovered in place (the replacement ended before it joined): the restart path",
     ]
+
+
+def test_the_summary_says_when_a_warm_spare_took_the_place() -> None:
+    by_spare = Recovery.from_dict({"attempt": 0, "gen": 1, "in_place": True, "dead_ranks": [1], "died_at": 5.0, "detection_s": 0.1,
+                                   "recovery_s": 1.2, "resumed_step": 17, "steps_lost": 0, "replacements": ["warm spare"]})  # fmt: skip
+    forked = Recovery.from_dict(by_spare.to_dict() | {"replacements": ["forked"]})
+    assert Recovery.from_dict(by_spare.to_dict()).replacements == ("warm spare",)  # through result.json and back
+    lines = [t.plain for t in _recovery_lines([{"world_size": 2, "recoveries": [by_spare.to_dict(), forked.to_dict()]}])]
+    assert lines[0].startswith("world 2, attempt 1: rank(s) 1 lost; recovered in place by a warm spare in 1.2 s"), lines
+    assert "spare" not in lines[1] and "recovered in place in 1.2 s" in lines[1], lines
