@@ -255,6 +255,7 @@ class Checkpoints:
         self._on_saved, self._on_resumed, self._steps_done = on_saved, on_resumed, steps_done
         self.async_save = config.checkpoint_async_save
         self._writer: ThreadPoolExecutor | None = None  # the background write's thread (async_save)
+        self._staged: Any = None  # the last background write's host copy, reused by the next save (async_save)
         self._in_flight: Future[Any] | None = None
         self.write_s = 0.0  # seconds the background writes took, off the step's path
         self._leaders: list[int] | None = None
@@ -428,7 +429,9 @@ class Checkpoints:
         write: Callable[[], Path] | None = None
         if self._shared_dir():  # one host, or one filesystem for all: rank 0 writes the one copy
             if self.rank == 0:
-                snapshot = host_copy(state) if self.async_save else state
+                # the previous write is published (save waited for it): its copy takes this one's values
+                snapshot = host_copy(state, reuse=self._staged) if self.async_save else state
+                self._staged = snapshot if self.async_save else None
                 write = lambda: self._write_stream(torch, snapshot, step)  # noqa: E731
         elif self.rank in self._layout():
             payload: list[Any] = [None]
@@ -618,22 +621,43 @@ def _check_digest(path: Path, folder: Path, expected: FileDigest | None, got: Fi
         raise CheckpointError(f"checkpoint {path}: its contents differ from its manifest (sha256 {got.sha256[:12]}...); delete {folder} to drop the checkpoint")
 
 
-def host_copy(value: Any) -> Any:
+def host_copy(value: Any, reuse: Any = None) -> Any:
     """``value`` (a state dict: tensors in nested dicts, lists and tuples, plain values) with every
     tensor copied to host memory, detached: what a background write may read while the job's own
-    tensors change under it. Plain values are shared (they are not changed in place by a step)."""
+    tensors change under it. Plain values are shared (they are not changed in place by a step).
+
+    ``reuse``: an earlier copy of a state of the same layout that nothing reads any more (the
+    previous background write's, published): each tensor is copied into its counterpart where
+    shape, dtype and strides match, instead of into new memory, whose first touch (a page fault
+    per page) is most of a copy: 0.15 s against 0.04-0.06 s for 301.6 MB here."""
     import torch
 
     if isinstance(value, torch.Tensor):
+        if _same_layout(reuse, value):
+            return reuse.copy_(value.detach())
         return value.detach().to("cpu", copy=True)
     if isinstance(value, Mapping):
-        copied = OrderedDict((k, host_copy(v)) for k, v in value.items()) if isinstance(value, OrderedDict) else {k: host_copy(v) for k, v in value.items()}
+        old = reuse if isinstance(reuse, Mapping) else {}
+        pairs = [(k, host_copy(v, old.get(k))) for k, v in value.items()]
+        copied = OrderedDict(pairs) if isinstance(value, OrderedDict) else dict(pairs)
         if hasattr(value, "_metadata"):  # a module's state_dict: its versions, which load_state_dict reads
             copied._metadata = value._metadata  # type: ignore[attr-defined]
         return copied
-    if isinstance(value, list):
-        return [host_copy(v) for v in value]
-    if isinstance(value, tuple):
-        items = [host_copy(v) for v in value]
+    if isinstance(value, (list, tuple)):
+        earlier = list(reuse) if isinstance(reuse, (list, tuple)) and len(reuse) == len(value) else [None] * len(value)
+        items = [host_copy(v, r) for v, r in zip(value, earlier)]
+        if isinstance(value, list):
+            return items
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
+
+
+def _same_layout(buffer: Any, tensor: Any) -> bool:
+    """Whether ``buffer`` (a host tensor) can take ``tensor``'s values as they are."""
+    import torch
+
+    return (
+        isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and buffer.layout == torch.strided == tensor.layout
+        and buffer.shape == tensor.shape and buffer.dtype == tensor.dtype and buffer.stride() == tensor.stride()
+        and buffer.data_ptr() != tensor.data_ptr()
+    )  # fmt: skip

@@ -238,3 +238,32 @@ def test_a_host_copy_keeps_a_state_dicts_shape_and_versions() -> None:
     fresh.load_state_dict(copied["model"])
     assert torch.equal(fresh.running_mean, model.running_mean)
 
+
+
+def test_a_host_copy_reuses_an_earlier_copys_memory_where_the_layout_matches() -> None:
+    """The next save's copy goes into the last one's host tensors (no new memory to fault in),
+    tensor by tensor where shape, dtype and strides match; anything else gets a new tensor."""
+    model = torch.nn.Linear(4, 3)
+    first = checkpoint_module.host_copy({"model": model.state_dict(), "extra": [torch.ones(2)]})
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    second = checkpoint_module.host_copy({"model": model.state_dict(), "extra": [torch.ones(5)]}, reuse=first)
+    assert second["model"]["weight"].data_ptr() == first["model"]["weight"].data_ptr()  # the same memory, the new values
+    assert torch.equal(second["model"]["weight"], model.weight) and second["model"]["weight"].data_ptr() != model.weight.data_ptr()
+    assert second["extra"][0].shape == (5,) and second["extra"][0].data_ptr() != first["extra"][0].data_ptr()  # a new shape: new memory
+    assert second["model"]._metadata == model.state_dict()._metadata
+
+
+def test_background_saves_reuse_the_last_writes_copy_and_each_file_keeps_its_own_values(tmp_path: Path) -> None:
+    ck = checkpoints(tmp_path, checkpoint_async_save=True)
+    model = torch.nn.Linear(8, 8)
+    ck.save({"model": model.state_dict()}, step=1)
+    staged, initial = ck._staged["model"]["weight"].data_ptr(), model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    ck.save({"model": model.state_dict()}, step=2)  # waits for step 1's write, then copies into its buffers
+    assert ck._staged["model"]["weight"].data_ptr() == staged
+    ck.wait()
+    older = torch.load(tmp_path / "ckpt" / "step-000000001" / "state.pt", weights_only=False)
+    assert torch.equal(older["model"]["weight"], initial)  # written before its buffers were reused
+    assert torch.equal(ck.load().state["model"]["weight"], torch.full((8, 8), 7.0))
