@@ -164,7 +164,6 @@ class _Rank:
         self.store: Any = None  # the stage's store this rank joined on (a replacement in place joins on it too)
         self.store_server: Any = None  # rank 0's own store, where no agent hosts one (serve_own_store)
         self.set_agent_store = False  # this rank set TORCHELASTIC_USE_AGENT_STORE (serve_own_store)
-        self.prepared: Any = None  # what the job's ``prepare`` returned (``ctx.prepared``)
 
     def prepare(self, step_hooks: Sequence[Callable[[int, float], None]]) -> tuple[Any, Any]:
         """Import torch and the job, pick the device, make the recorder: (entry function, device)."""
@@ -177,7 +176,6 @@ class _Rank:
             torch.set_num_threads(self.config.threads_per_worker)
         entry = load_entrypoint(self.config.entrypoint) if self.config.entrypoint else None
         self.phases["imported"] = time.time()
-        self._prepare()
         device = _select_device(torch, self.config, self.report.device, self.report.local_rank)
         self.report.device = str(device)
         from launcher.runtime.metrics import MetricsRecorder
@@ -196,16 +194,16 @@ class _Rank:
             self.undo_ddp_timing = _time_ddp_models(recorder.work_clock)  # undone in finish()
         return entry, device
 
-    def _prepare(self) -> None:
-        """The job's ``prepare(params)``, before the rank joins its group (on the CPU: the device
-        is the rank's to pick next); a warm spare that became this rank ran it already."""
+    def _prepare(self) -> Any:
+        """What the job's ``prepare(params)`` returns, called just before its entrypoint (so its
+        time is the job's, as a model built inside ``run`` is); a warm spare that became this
+        rank ran it before it had a rank, and it is not run again."""
         from launcher.runtime.spare import NOT_PREPARED, take_prepared
 
-        self.prepared = take_prepared()
-        if self.prepared is NOT_PREPARED:
-            self.prepared = load_entrypoint(self.config.prepare)(self.config.params) if self.config.prepare else None
-            if self.config.prepare:
-                self.phases["prepared"] = time.time()
+        prepared = take_prepared()
+        if prepared is NOT_PREPARED:
+            prepared = load_entrypoint(self.config.prepare)(self.config.params) if self.config.prepare else None
+        return prepared
 
     def serve_own_store(self) -> None:
         """Where no agent hosts the stage's store (Ray's ranks; torchrun's agent of node 0 hosts it
@@ -272,10 +270,7 @@ class _Rank:
         checkpoint.joining = joining_gen(self.env)
 
     def run_entry(self, entry: Callable[[Any], Any], device: Any) -> None:
-        import torch
-
         from launcher.runtime.checkpoint import Checkpoints, StopNotice
-        from launcher.runtime.context import WorkerContext
 
         r = self.report
         notice = StopNotice(self.config.stop_grace_s, r.world_size)
@@ -286,7 +281,26 @@ class _Rank:
             on_saved=self._saved, on_resumed=self._resumed, steps_done=self._steps_done,
         )  # fmt: skip
         self._seam(checkpoint, notice, device)
-        ctx = WorkerContext(
+        self.beacon.set_phase("running")
+        try:
+            with notice:  # the job's prepare and entrypoint: a stop notice is theirs to heed
+                r.result = _jsonable(entry(self._context(checkpoint, notice, device)))
+            checkpoint.wait()  # a background write in flight is published before the rank reports; its failure fails the rank
+        finally:
+            # the job failed: the write in flight may still make a checkpoint to resume from (within the stop grace)
+            checkpoint.wait(raise_error=False, timeout_s=self.config.stop_grace_s)
+            r.checkpoint = CheckpointActivity(checkpoint.resumed_step, checkpoint.last_step, round(checkpoint.save_s, 4), round(checkpoint.load_s, 4),
+                                              round(checkpoint.write_s, 4))  # fmt: skip
+            r.stop_notice = notice.reason or None  # not ``requested``: that is a collective (the group's answer)
+
+    def _context(self, checkpoint: Any, notice: Any, device: Any) -> Any:
+        """What the entrypoint receives (``ctx``), its ``prepared`` made now."""
+        import torch
+
+        from launcher.runtime.context import WorkerContext
+
+        r = self.report
+        return WorkerContext(
             rank=r.rank,
             local_rank=r.local_rank,
             world_size=r.world_size,
@@ -302,19 +316,8 @@ class _Rank:
             checkpoint=checkpoint,
             stop_notice=notice,
             ranks_per_gpu=self.config.ranks_per_gpu if device.type == "cuda" else 1,
-            prepared=self.prepared,
+            prepared=self._prepare(),
         )
-        self.beacon.set_phase("running")
-        try:
-            with notice:
-                r.result = _jsonable(entry(ctx))
-            checkpoint.wait()  # a background write in flight is published before the rank reports; its failure fails the rank
-        finally:
-            # the job failed: the write in flight may still make a checkpoint to resume from (within the stop grace)
-            checkpoint.wait(raise_error=False, timeout_s=self.config.stop_grace_s)
-            r.checkpoint = CheckpointActivity(checkpoint.resumed_step, checkpoint.last_step, round(checkpoint.save_s, 4), round(checkpoint.load_s, 4),
-                                              round(checkpoint.write_s, 4))  # fmt: skip
-            r.stop_notice = notice.reason or None  # not ``requested``: that is a collective (the group's answer)
 
     def _steps_done(self) -> int:
         return self.recorder.steps if self.recorder else 0

@@ -346,8 +346,9 @@ class JobSpec(_Frozen):
     name: str = Field(pattern=r"^[a-z0-9_-]+$", max_length=64)
     entrypoint: str | None = Field(None, pattern=ENTRYPOINT.pattern)
     # The job's start that does not depend on its rank (module:function, called with the params
-    # before the rank joins its group; ctx.prepared holds what it returns): build the model on
-    # the CPU, warm the data pipeline. A warm spare (checkpoint.warm_spares) runs it ahead.
+    # just before the entrypoint; ctx.prepared holds what it returns): build the model on the
+    # CPU, warm the data pipeline. A warm spare (checkpoint.warm_spares) runs it ahead of a loss,
+    # before it has a rank.
     prepare: str | None = Field(None, pattern=ENTRYPOINT.pattern)
     script: str | None = None
     args: tuple[Annotated[str, BeforeValidator(_scalar_to_str)], ...] = ()
