@@ -150,7 +150,7 @@ class WorkerConfig:
     # torch reads OMP_NUM_THREADS itself and the worker leaves it alone
     threads_per_worker: int | None
     entrypoint: str | None
-    prepare: str | None  # the job's rank-independent start (module:function), run before the rank joins (spec: prepare)
+    prepare: str | None  # the job's rank-independent start (module:function), run just before the entrypoint (spec: prepare)
     script: str | None
     args: tuple[str, ...]
     params: Mapping[str, Any]  # resolved: the workload's defaults filled in, as the dry run shows

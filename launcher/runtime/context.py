@@ -33,7 +33,7 @@ class WorkerContext:
     # above 1 the process group is gloo over CUDA tensors, since NCCL refuses two ranks on one GPU
     ranks_per_gpu: int
     # what the job's ``prepare(params)`` returned in this process (spec: prepare; None without
-    # one): its rank-independent start, made before the rank joined (ahead, in a warm spare)
+    # one): its rank-independent start, made just before the entrypoint (ahead, in a warm spare)
     prepared: Any
 
     @property
