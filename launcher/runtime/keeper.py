@@ -203,9 +203,8 @@ class Keeper:
         """One more spare, once every rank of the node has opted in (so the job recovers in
         place, and its ranks' own start is over: the spare's ``prepare`` overlaps steps)."""
         ended = [spare.process for spare in self.spares if spare.process.exitcode is not None]
-        if ended:  # a spare dies only of its own (its prepare failed, the OOM killer): no loop of new ones
-            self.wanted_spares = 0
-            self._log(f"gpulaunch-keeper: a warm spare ended (exit {ended[0].exitcode}) before it was needed; none again this attempt")
+        if ended:
+            self._spare_ended(ended[0])
             return
         for index, process in enumerate(context.processes):
             armed = read_json(armed_path(self.root, self.first_rank + index))
@@ -228,6 +227,7 @@ class Keeper:
         while self.spares:
             spare = self.spares.pop(0)
             if spare.process.exitcode is not None:
+                self._spare_ended(spare.process)
                 continue
             try:
                 spare.orders.send({"index": index, "gen": gen, "error_file": error_file})
@@ -243,6 +243,13 @@ class Keeper:
             self._take_place(context, item, process)
             return process
         return None
+
+    def _spare_ended(self, process: Any) -> None:
+        """A spare dies only of its own (its ``prepare`` raised, the OOM killer): no more this
+        attempt, rather than a new one failing the same way at every poll."""
+        if self.wanted_spares:
+            self._log(f"gpulaunch-keeper: a warm spare ended (exit {process.exitcode}) before it was needed; no more spares this attempt")
+        self.wanted_spares = 0
 
     def _spare_state(self, pid: int) -> str:
         """How ready the spare sent was: its ``prepare`` done, or still under way."""

@@ -13,7 +13,8 @@ recovery works) bounds the recovery.
 before the rank is known, each call's pid appended to ``params.prepared_log``; ``run`` then takes
 them from ``ctx.prepared``. ``params.await_spare``: the victim dies only once a warm spare has
 prepared (its ready file under the stage's ``in_place/``), so the spare that takes its place is
-ready whatever the machine's speed.
+ready whatever the machine's speed; with ``params.spare_dies`` the spare exits in its ``prepare``
+instead, and the victim dies once it is gone.
 """
 
 from __future__ import annotations
@@ -37,14 +38,31 @@ def _build() -> tuple[Any, Any]:
 def prepare(params: Any) -> tuple[Any, Any]:
     with open(params["prepared_log"], "a") as log:
         log.write(f"{os.getpid()}\n")
+    if params.get("spare_dies") and "LOCAL_RANK" not in os.environ:  # a spare (no rank yet) that dies waiting
+        os._exit(5)
     return _build()
 
 
 def _await_spare(ctx: Any) -> None:
+    """Until a spare is ready (its ready file), or, with ``params.spare_dies``, until the spare
+    that prepared is gone (its pid the log's third line, after the two ranks')."""
     ready = Path(ctx.stage_dir) / "in_place" / "attempt0"
     deadline = time.monotonic() + 120  # a hang guard: a spare prepares in well under a second
-    while not any(ready.glob("spare.*.json")) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if ctx.param("spare_dies"):
+            pids = Path(ctx.param("prepared_log")).read_text().split()
+            if len(pids) >= 3 and _gone(int(pids[2])):
+                return
+        elif any(ready.glob("spare.*.json")):
+            return
         time.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"  # ended, not reaped yet
+    except OSError:
+        return True
 
 
 def run(ctx: Any) -> dict[str, Any]:

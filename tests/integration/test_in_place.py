@@ -41,6 +41,7 @@ def _run(tmp_path: Path, name: str, max_restarts: int = 0, spec_extra: dict[str,
         left, _ = wait_no_pids(str(out), 60)
         assert left == [], f"processes of the run remain:\n{describe(left)}"
         result["_run_dir"] = str(run_dir)
+        result["_log"] = run.log.name
         return result
     finally:
         run.close()
@@ -111,3 +112,19 @@ def test_a_warm_spare_takes_the_lost_ranks_place_with_its_start_done_ahead(tmp_p
     assert {ranks[0]["result"]["pid"], killed, replacement} <= set(prepared) and len(prepared) == len(set(prepared)), prepared
     assert len(prepared) in (3, 4), prepared  # the next spare may not have been forked before the run ended
     assert _hashes(result) == uninterrupted  # bit for bit
+
+
+def test_a_spare_that_died_waiting_leaves_the_loss_to_a_fork_and_no_spare_follows(tmp_path: Path, uninterrupted: set[str]) -> None:
+    prepared_log = tmp_path / "prepared.log"
+    spare = {"prepare": "tests.integration.in_place_job:prepare", "checkpoint": {"warm_spares": 1}}
+    result = _run(tmp_path, "dead-spare", max_restarts=1, spec_extra=spare, kill_at=17, victim=1, await_spare=True, spare_dies=True,
+                  prepared_log=str(prepared_log))  # fmt: skip
+    stage = result["stages"][0]
+    assert stage["status"] == "succeeded" and stage["restarts"] == 0, stage
+    (recovery,) = stage["recoveries"]
+    assert recovery["path"] == "in_place" and recovery["replacements"] == ["forked"] and recovery["steps_lost"] == 0, recovery
+    prepared = [int(line) for line in prepared_log.read_text().split()]
+    replacement = {r["rank"]: r for r in result["ranks"]}[1]["result"]["pid"]
+    assert len(prepared) == 4 and prepared[3] == replacement, prepared  # two ranks, the spare that died, the fork: no second spare
+    assert "a warm spare ended (exit 5) before it was needed; no more spares this attempt" in Path(result["_log"]).read_text()
+    assert _hashes(result) == uninterrupted
