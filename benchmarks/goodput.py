@@ -25,6 +25,10 @@ done again after it).
 
     python benchmarks/goodput.py [--duration 300] [--interval 60] [--every 20] [--variants bare,restart,in_place,in_place_async,in_place_async_spare] [--together]
 
+``--await-spare`` makes each kill of a spare variant also wait for a ready warm spare, and
+``--work-root`` puts the variants' work directories (kept: logs, runs, checkpoints) somewhere
+else: the short test (``tests/benchmarks/test_goodput_smoke.py``) uses both.
+
 ``--together`` runs the variants at the same time (each its own 2 ranks, the faults at the same
 moments): on a machine whose load other work changes, one after the other they do not see the
 same machine (a step took 0.5 s in one variant's window and 3 s in another's here).
@@ -118,14 +122,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _kill_loop(proc: subprocess.Popen[bytes], work: Path, started: float, end_at: float, interval: float) -> list[dict[str, Any]]:
-    """SIGKILL rank 1 at every ``interval`` from the start while the run lasts; the kills done."""
+def _spares_ready(work: Path) -> int:
+    """How many warm spares have prepared so far in the variant's run (their ready files)."""
+    return sum(1 for _ in work.glob("runs/*/*/world*/in_place/attempt*/spare.*.json"))
+
+
+def _kill_loop(proc: subprocess.Popen[bytes], work: Path, started: float, end_at: float, interval: float, await_spare: bool = False) -> list[dict[str, Any]]:
+    """SIGKILL rank 1 at every ``interval`` from the start while the run lasts; the kills done.
+    ``await_spare``: each kill also waits for a warm spare that is ready (the short test's fault
+    is the spare's, whatever the machine's load)."""
     kills: list[dict[str, Any]] = []
     killed: set[int] = set()
     due = started + interval
-    while proc.poll() is None and due < end_at - 5:
+    while proc.poll() is None and due < end_at - 5 and time.time() < end_at - 5:  # no kill in the run's last seconds
         time.sleep(0.05)  # never a busy wait: the soak's own CPU is the ranks' to use
-        if time.time() < due:
+        if time.time() < due or (await_spare and _spares_ready(work) <= len(kills)):
             continue
         pid = _rank1(work)
         if pid is None or pid in killed or not _alive(pid):
@@ -174,7 +185,8 @@ def _failures(rows: list[tuple[int, float, float, int]], kills: list[dict[str, A
         record = next((r for r in records if kill["pid"] in (r.get("dead_pids") or [])), None)
         if record is not None:
             entry.update(
-                path="in_place", detection_s=round(float(record["detected_at"]) - at, 3), state_s=record.get("state_s"), state_bytes=record.get("state_bytes")
+                path="in_place", detection_s=round(float(record["detected_at"]) - at, 3), state_s=record.get("state_s"), state_bytes=record.get("state_bytes"),
+                replacements=record.get("replacements"),
             )
         else:
             end = next((e for e in ended if e > at), None)
@@ -201,13 +213,13 @@ def _attempt_ends(work: Path) -> list[float]:
 
 def soak(variant: str, args: Any, started: float | None = None) -> dict[str, Any]:
     """One variant for ``--duration`` seconds from ``started`` (now by default), rank 1 killed every ``--interval``."""
-    work = Path(tempfile.mkdtemp(prefix=f"goodput-{variant}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"goodput-{variant}-", dir=args.work_root))  # kept: its logs, runs and checkpoints
     started = started or time.time()
     end_at = started + args.duration
     proc = _start(variant, work, end_at, args)
     stopped = False
     try:
-        kills = _kill_loop(proc, work, started, end_at, args.interval)
+        kills = _kill_loop(proc, work, started, end_at, args.interval, await_spare=args.await_spare and variant.endswith("_spare"))
         try:
             code: int | None = proc.wait(timeout=max(1.0, end_at + args.grace - time.time()))
         except subprocess.TimeoutExpired:  # not back at a step since the deadline (a restart that does not come back)
@@ -255,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace", type=float, default=180.0, help="after the deadline, this long to finish, then it is stopped")
     parser.add_argument("--together", action="store_true", help="run the variants at the same time (the same machine for all)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--work-root", type=Path, default=None, help="where each variant's work directory goes (default: the system's temp dir)")
+    parser.add_argument("--await-spare", action="store_true", help="each kill of a spare variant waits for a ready warm spare (the short test)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     if args.together:
