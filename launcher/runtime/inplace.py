@@ -98,6 +98,15 @@ def arrived_key(restart: str, gen: int, rank: int) -> str:
     return f"gpulaunch/in_place/{restart}/gen{gen}/arrived/{rank}"
 
 
+def joining_args(args: tuple[Any, ...], index: int, gen: int) -> tuple[Any, ...]:
+    """torch's arguments for the node's ranks (elastic's ``(entry, entry args, envs, ...)``) with
+    local rank ``index``'s environment told the generation it joins (``ENV_GEN``): what a
+    replacement, forked or a spare, starts with."""
+    envs = dict(args[2])
+    envs[index] = {**envs[index], ENV_GEN: str(gen)}
+    return (*args[:2], envs, *args[3:])
+
+
 def joining_gen(env: Mapping[str, str]) -> int:
     """The generation a replacement rank joins; 0 for a rank of the group's first start."""
     value = env.get(ENV_GEN, "")

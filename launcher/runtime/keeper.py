@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import StagePaths
-from launcher.runtime.inplace import ENV_GEN, armed_path, death_path, declined_path, fallback_path, folder, record_path
+from launcher.runtime.inplace import armed_path, death_path, declined_path, fallback_path, folder, joining_args, record_path
 from launcher.runtime.stepcount import counter_path, read_steps
 
 
@@ -181,10 +181,7 @@ class Keeper:
         environment plus the generation it joins; it takes the lost one's place in the context."""
         old = item.original
         fn, index, args, error_file = old.rank_args  # torch.multiprocessing.spawn's own _wrap(fn, i, args, error_file), kept by the agent
-        envs = dict(args[2])
-        envs[index] = {**envs[index], ENV_GEN: str(gen)}
-        new_args = (*args[:2], envs, *args[3:])
-        process = type(old)(target=old.rank_target, args=(fn, index, new_args, error_file), daemon=old.daemon)
+        process = type(old)(target=old.rank_target, args=(fn, index, joining_args(args, index, gen), error_file), daemon=old.daemon)
         process.start()
         self._take_place(context, item, process)
         return process
@@ -236,9 +233,7 @@ class Keeper:
             finally:
                 spare.orders.close()
             process = spare.process
-            envs = dict(args[2])
-            envs[index] = {**envs[index], ENV_GEN: str(gen)}
-            process.rank_target, process.rank_args = item.original.rank_target, (fn, index, (*args[:2], envs, *args[3:]), error_file)
+            process.rank_target, process.rank_args = item.original.rank_target, (fn, index, joining_args(args, index, gen), error_file)
             process.waiting_spare = False
             self._take_place(context, item, process)
             return process

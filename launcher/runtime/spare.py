@@ -28,7 +28,7 @@ from typing import Any, Callable
 from launcher.procutil import die_with_parent, write_json_atomic
 from launcher.protocol import ENV_RANK_SERVER_PID, WorkerConfig
 from launcher.runtime.entry import load_entrypoint
-from launcher.runtime.inplace import ENV_GEN
+from launcher.runtime.inplace import joining_args
 
 NOT_PREPARED = object()  # what a rank that was never a spare finds (``prepare`` may return None)
 _prepared: list[Any] = []  # what ``prepare`` returned in this process while it was a spare (taken once)
@@ -61,10 +61,8 @@ def serve(rank_target: Callable[..., Any], fn: Any, args: tuple[Any, ...], order
     except (EOFError, OSError):
         os._exit(0)  # the attempt ended with no loss for this spare
     orders.close()
-    index, gen = int(order["index"]), str(order["gen"])
-    envs = dict(args[2])
-    envs[index] = {**envs[index], ENV_GEN: gen}
-    rank_target(fn, index, (*args[:2], envs, *args[3:]), order["error_file"])
+    index = int(order["index"])
+    rank_target(fn, index, joining_args(args, index, int(order["gen"])), order["error_file"])
 
 
 def _prepare(config: WorkerConfig, root: Path) -> None:
