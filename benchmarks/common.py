@@ -83,6 +83,20 @@ def run_timed(argv: Sequence[str], *, env: Mapping[str, str] | None = None, time
     return Completed(list(argv), proc.returncode, wall, t_start, t_start + wall, out or "", timed_out)
 
 
+def private_prom_sd_dir() -> None:
+    """Point the launcher's Prometheus discovery files (``GPULAUNCH_PROM_SD_DIR``) at a temporary
+    folder of this process unless the caller chose one: a benchmark's runs never announce
+    themselves to a real Prometheus, and the folder goes when the benchmark ends."""
+    if os.environ.get("GPULAUNCH_PROM_SD_DIR"):
+        return
+    import atexit
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="gl-sd-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["GPULAUNCH_PROM_SD_DIR"] = folder
+
+
 def kill_group(pid: int) -> None:
     """SIGKILL the process group led by ``pid`` (a child started with start_new_session=True)."""
     try:

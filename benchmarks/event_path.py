@@ -29,7 +29,6 @@ Goal (issue 23): at 1,024 ranks at most 10% of one core, p99 under 1 s.
 
 from __future__ import annotations
 
-import os
 import resource
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import base_parser, bench_env, machine_info, summary, write_result  # noqa: E402
+from benchmarks.common import base_parser, bench_env, machine_info, private_prom_sd_dir, summary, write_result  # noqa: E402
 from launcher.monitoring.live import MetricsEvents  # noqa: E402
 from launcher.control.planning import plan_stage  # noqa: E402
 from launcher.control.runloop import StopRequest, run_stage  # noqa: E402
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SIZES[:1] if args.smoke else tuple(s for s in SIZES if not args.ranks or s[0] in args.ranks)
     seconds = args.seconds or (6.0 if args.smoke else 20.0)
     reps = args.reps or 1
-    os.environ.setdefault("GPULAUNCH_PROM_SD_DIR", tempfile.mkdtemp(prefix="gl-sd-"))
+    private_prom_sd_dir()
     rows = []
     with tempfile.TemporaryDirectory(prefix="gl-events-") as tmp:
         for ranks, hosts in sizes:

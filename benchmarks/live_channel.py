@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, base_parser, machine_info, summary, write_result  # noqa: E402
+from benchmarks.common import REPO, base_parser, machine_info, private_prom_sd_dir, summary, write_result  # noqa: E402
 from launcher.stage.watch import RunEvents, StageProgress  # noqa: E402
 
 SPEC = """\
@@ -139,7 +139,7 @@ def on_cluster(args: Any) -> int:
 def measure(args: Any, backends: tuple[str, ...], spread: bool = False, nodes: int = 1) -> int:
     reps = args.reps or (1 if args.smoke else 3)
     seconds = args.seconds or (6.0 if args.smoke else 12.0)
-    os.environ.setdefault("GPULAUNCH_PROM_SD_DIR", tempfile.mkdtemp(prefix="gl-sd-"))
+    private_prom_sd_dir()
     rows = []
     with tempfile.TemporaryDirectory(prefix="gl-live-channel-") as tmp:
         for rep in range(reps):

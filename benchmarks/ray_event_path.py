@@ -54,7 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, base_parser, machine_info, summary, write_result  # noqa: E402
+from benchmarks.common import REPO, base_parser, machine_info, private_prom_sd_dir, summary, write_result  # noqa: E402
 from benchmarks.event_path import SIZES, measure  # noqa: E402
 from launcher.backends import ray as ray_backend  # noqa: E402
 from launcher.backends.ray import RayStage, _kill_leftovers, ray_processes  # noqa: E402
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (6.0 if args.smoke else 20.0)
     reps = args.reps or 1
     variants = [(c, b) for c in (args.channel or CHANNELS) for b in ((args.relay_batch_s or [ray_backend.RELAY_BATCH_S]) if c != "per_actor" else [None])]
-    os.environ.setdefault("GPULAUNCH_PROM_SD_DIR", tempfile.mkdtemp(prefix="gl-sd-"))
+    private_prom_sd_dir()
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # the SimHosts import launcher
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # 127.0.0.1 only
     from ray._private import ray_constants

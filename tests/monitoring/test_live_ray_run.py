@@ -155,8 +155,10 @@ def test_prometheus_scrapes_every_rank_of_a_live_ray_run(tmp_path, start_prometh
         assert sorted(launcher_peak) == ["0", "1"] and all(0 < v < 1e6 for v in launcher_peak.values()), rates
 
         # --- the embedded Ray's metrics agent, found through Ray's service-discovery file ----------
-        ray_targets = [t for t in prom.active_targets() if t["labels"].get("job") == "ray"]
-        assert ray_targets, f"no target from {ray_tmp / 'ray' / 'prom_metrics_service_discovery.json'}"
+        # asked of the run's span, not of Prometheus's targets now: the run is over, the launcher has
+        # taken Ray's discovery link away, and a refresh since may already have dropped the targets
+        ray_targets = prom.query_range('up{job="ray"}', started, ended)
+        assert any(peak(s) == 1 for s in ray_targets), f"no target up from {ray_tmp / 'ray' / 'prom_metrics_service_discovery.json'}: {ray_targets}"
         ray_steps = prom.query_range(f'ray_gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}', started, ended)
         assert sorted(series_by_rank(ray_steps)) == ["0", "1"], (ray_steps, ray_targets)
         for s in ray_steps:  # the same labels as the launcher's endpoint gives the same rank
