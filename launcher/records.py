@@ -127,6 +127,8 @@ class Recovery:
     # what took each dead rank's place: "warm spare" (its prepare done ahead), "warm spare
     # (preparing)" (sent before its prepare returned), "forked" (from the rank server at the loss)
     replacements: tuple[str, ...] = ()
+    # a recovery that timed out: where each rank of the node was then ("rank 1 (pid 123) at train.py:40 ...")
+    stuck: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Recovery":
@@ -143,7 +145,7 @@ class Recovery:
             dead_ranks=tuple(int(r) for r in data.get("dead_ranks") or ()), died_at=float(data.get("died_at") or 0.0),
             detection_s=number("detection_s"), recovery_s=number("recovery_s"), state_s=number("state_s"),
             state_bytes=count("state_bytes"), resumed_step=count("resumed_step"), steps_lost=count("steps_lost"), why=str(data.get("why") or ""),
-            replacements=tuple(str(r) for r in data.get("replacements") or ()),
+            replacements=tuple(str(r) for r in data.get("replacements") or ()), stuck=tuple(str(r) for r in data.get("stuck") or ()),
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,7 +153,7 @@ class Recovery:
             "attempt": self.attempt, "gen": self.gen, "path": "in_place" if self.in_place else "restart", "dead_ranks": list(self.dead_ranks),
             "died_at": self.died_at, "detection_s": self.detection_s, "recovery_s": self.recovery_s, "state_s": self.state_s,
             "state_bytes": self.state_bytes, "resumed_step": self.resumed_step, "steps_lost": self.steps_lost, "why": self.why,
-            "replacements": list(self.replacements),
+            "replacements": list(self.replacements), **({"stuck": list(self.stuck)} if self.stuck else {}),
         }  # fmt: skip
 
 

@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, ThreadStack
 from launcher.procutil import read_json, stage_worker_pids, write_json_atomic
@@ -130,13 +130,17 @@ def _collective(entry: dict[str, Any]) -> CollectiveCall:
 # ------------------------------------------------------------------------------------- host side
 
 
-def gather(stage_dir: str | Path, host: str, ranks: Sequence[int] | None = None, wait_s: float = ACCOUNT_WAIT_S) -> list[RankEvidence]:
+def gather(stage_dir: str | Path, host: str, ranks: Sequence[int] | None = None, wait_s: float = ACCOUNT_WAIT_S,
+           pids: Mapping[int, int] | None = None) -> list[RankEvidence]:  # fmt: skip
     """``ranks`` of the stage on this host (default: those with a beacon here): process state,
-    stacks read from outside, and the rank's own account where it gives one within ``wait_s``."""
+    stacks read from outside, and the rank's own account where it gives one within ``wait_s``.
+    ``pids``: the ranks' processes where the caller knows them better than their beacons (a
+    replacement in place that has not written its beacon yet)."""
     paths = StagePaths(Path(stage_dir))
     if ranks is None:
         ranks = sorted(int(p.stem[len("rank") :]) for p in paths.progress_dir.glob("rank*.json"))
-    live = {rank: pid for rank, pid in stage_worker_pids(paths.root).items() if rank in ranks}
+    known = pids if pids is not None else stage_worker_pids(paths.root)
+    live = {rank: pid for rank, pid in known.items() if rank in ranks}
     paths.hang_dir.mkdir(parents=True, exist_ok=True)
     for rank in ranks:
         paths.rank_account(rank).unlink(missing_ok=True)

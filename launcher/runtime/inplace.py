@@ -42,6 +42,7 @@ ENV_KEEPER = "GPULAUNCH_IN_PLACE_KEEPER"  # set by a torchrun agent that keeps i
 FOLDER = "in_place"  # under the stage directory: the keeper's and the ranks' files
 _RECORD_NAME = re.compile(r"gen\d+(\.fallback)?\.json")
 POLL_S = 0.005  # how often a survivor looks for the keeper's word (a stat of one file)
+KEEPER_DECIDES_S = 15.0  # a survivor waits this much longer than ``wait_s`` for a replacement: the keeper's fallback comes first
 
 
 def folder(stage_dir: str | os.PathLike[str], attempt: int) -> Path:
@@ -225,7 +226,9 @@ class InPlace:
         blocking wait: a keeper that gave up (``gen<k>.fallback.json``) is heard at once, and the
         rank can take its signals meanwhile."""
         keys = [arrived_key(self.seam.restart, gen, rank) for rank in dead]
-        deadline = time.monotonic() + self.wait_s
+        # the keeper decides when a recovery has taken too long (it then reads where each rank is,
+        # and falls back); this rank's own bound, later, guards against a keeper that is gone
+        deadline = time.monotonic() + self.wait_s + KEEPER_DECIDES_S
         while not self.seam.store.check(keys):
             if fallback_path(self.seam.root, gen).exists() or time.monotonic() > deadline:
                 raise TimeoutError(f"in-place recovery: generation {gen}'s replacement(s) of rank(s) {dead} did not come")

@@ -49,6 +49,8 @@ from launcher.protocol import StagePaths
 from launcher.runtime.inplace import armed_path, death_path, declined_path, fallback_path, folder, joining_args, record_path
 from launcher.runtime.stepcount import counter_path, read_steps
 
+WHEREABOUTS_WAIT_S = 2.0  # a timed-out recovery: how long the ranks have to give their own stacks (py-spy's are read meanwhile)
+
 
 @dataclass
 class _Lost:
@@ -277,10 +279,38 @@ class Keeper:
             why = "another rank ended during the recovery"
         elif time.time() - recovery.seen_at > recovery.wait_s:
             why = f"no recovery within wait_s={recovery.wait_s:g}s"
+            self._log(f"gpulaunch-keeper: generation {recovery.gen} not recovered within wait_s; reading where each rank is")
+            stuck = self._whereabouts(context)  # before the replacement is killed: which one did not come, and where it is
+            self._fall_back(context, recovery, why, stuck)
+            return
         if why:
             self._fall_back(context, recovery, why)
 
-    def _fall_back(self, context: Any, recovery: _Recovery, why: str) -> None:
+    def _whereabouts(self, context: Any) -> list[str]:
+        """Where each rank of the node is (the innermost frame of the thread that runs its job,
+        and the innermost one in the launcher's or the job's code under it), read as a stalled
+        stage's are (``launcher.runtime.hangdump``): a recovery that timed out says which rank
+        never came and at what line, instead of only that it took too long."""
+        import socket
+
+        from launcher.evidence import is_job_code
+        from launcher.runtime.hangdump import gather
+
+        pids = {self.first_rank + index: process.pid for index, process in enumerate(context.processes)}
+        lines = []
+        for evidence in gather(self.paths.root, socket.gethostname(), sorted(pids), wait_s=WHEREABOUTS_WAIT_S, pids=pids):
+            thread = evidence.main_thread()
+            frames = thread.frames if thread is not None else ()
+            if not frames:
+                lines.append(f"rank {evidence.rank} (pid {evidence.pid}): {evidence.note or 'no stack read'}")
+                continue
+            at = frames[0].where()
+            ours = next((f for f in frames if is_job_code(f.filename) or "/launcher/" in f.filename), None)
+            under = f" (under {ours.where()})" if ours is not None and ours is not frames[0] else ""
+            lines.append(f"rank {evidence.rank} (pid {evidence.pid}) at {at}{under}")
+        return lines
+
+    def _fall_back(self, context: Any, recovery: _Recovery, why: str, stuck: list[str] | None = None) -> None:
         """The restart path, as if the keeper had never acted: the lost process back in torch's
         context (it sees the loss at this very poll), its beacon and count back in place."""
         for item in recovery.lost:
@@ -296,10 +326,12 @@ class Keeper:
         for kept, place in recovery.aside:
             shutil.copyfile(kept, place)
         record = {"attempt": self.attempt, "gen": recovery.gen, "in_place": False, "dead_ranks": [x.rank for x in recovery.lost],
-                  "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why}  # fmt: skip
+                  "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why, "stuck": stuck or []}  # fmt: skip
         write_json_atomic(fallback_path(self.root, recovery.gen), record, durable=False)
         self.recovery, self.given_up = None, True
         self._log(f"gpulaunch-keeper: generation {recovery.gen} not recovered in place ({why}): the restart path")
+        for line in stuck or ():
+            self._log(f"gpulaunch-keeper:   {line}")
 
     # --- what the lost rank left --------------------------------------------------------------
     def _keep_aside(self, recovery: _Recovery) -> None:

@@ -207,6 +207,7 @@ def _recovery_lines(stages: list[Mapping[str, Any]]) -> list[Text]:
             where = f"world {stage['world_size']}, attempt {int(r.get('attempt') or 0) + 1}: rank(s) {ranks} lost"
             if r.get("path") != "in_place":
                 out.append(Text(f"{where}; not recovered in place ({r.get('why') or 'no reason recorded'}): the restart path", style="yellow"))
+                out.extend(Text(f"  {line}", style="yellow") for line in r.get("stuck") or ())
                 continue
             state = f", state {r['state_bytes'] / 1e6:,.1f} MB from a survivor's memory" if r.get("state_bytes") else ""
             by = f" by a {' and a '.join(r['replacements'])}" if any(k.startswith("warm spare") for k in r.get("replacements") or ()) else ""

@@ -6,7 +6,8 @@ step and the rank (the data order is deterministic whatever restarts), a checkpo
 ``params.kill_at``: rank ``params.victim`` SIGKILLs itself at the start of that step, once
 (``params.marker`` remembers it across processes). ``params.replacement: fail``: a rank that
 replaces a lost one in place exits at once (code 3), before it joins: the keeper must fall back
-to the restart path. ``params.wait_s`` (600 by default: a hang guard, never reached where the
+to the restart path; ``params.replacement: hang``: it joins the group and then sleeps, so the
+recovery times out (``params.wait_s``). ``params.wait_s`` (600 by default: a hang guard, never reached where the
 recovery works) bounds the recovery.
 
 ``prepare`` (the spec's ``prepare``, with ``checkpoint.warm_spares``): the model and optimizer built
@@ -71,6 +72,8 @@ def run(ctx: Any) -> dict[str, Any]:
 
     if ctx.param("replacement") == "fail" and os.environ.get("GPULAUNCH_IN_PLACE_GEN"):
         os._exit(3)
+    if ctx.param("replacement") == "hang" and os.environ.get("GPULAUNCH_IN_PLACE_GEN"):
+        time.sleep(3600)  # joined the group, never takes the state: the keeper's wait_s must name this line
     steps, every = int(ctx.param("steps", 30)), int(ctx.param("checkpoint_every", 10))
     model, opt = ctx.prepared if ctx.prepared is not None else _build()
     start = 0

@@ -91,6 +91,21 @@ def test_a_replacement_that_cannot_join_falls_back_to_the_restart_path(tmp_path:
     assert _hashes(result) == uninterrupted
 
 
+def test_a_recovery_that_times_out_names_where_each_rank_was_and_takes_the_restart_path(tmp_path: Path, uninterrupted: set[str]) -> None:
+    result = _run(tmp_path, "stuck", max_restarts=1, kill_at=17, victim=1, replacement="hang", wait_s=5)
+    stage = result["stages"][0]
+    assert stage["status"] == "succeeded" and stage["restarts"] == 1 and stage["attempts"][1]["resumed_step"] == 10, stage
+    (recovery,) = stage["recoveries"]
+    assert recovery["path"] == "restart" and recovery["why"] == "no recovery within wait_s=5s", recovery
+    stuck = {line.split(" (pid ")[0]: line for line in recovery["stuck"]}
+    assert sorted(stuck) == ["rank 0", "rank 1"], recovery  # the keeper read both before it fell back
+    assert "in_place_job.py:" in stuck["rank 1"] and "time.sleep(3600)" in stuck["rank 1"], stuck  # the replacement that never took the state
+    assert "peerstate.py:" in stuck["rank 0"] or "inplace.py:" in stuck["rank 0"], stuck  # the survivor, sending it
+    output = Path(result["_log"]).read_text(errors="replace")
+    assert stuck["rank 1"] in output, output[-3000:]  # the console's summary says it too
+    assert _hashes(result) == uninterrupted
+
+
 def test_a_warm_spare_takes_the_lost_ranks_place_with_its_start_done_ahead(tmp_path: Path, uninterrupted: set[str]) -> None:
     prepared_log = tmp_path / "prepared.log"
     spare = {"prepare": "tests.integration.in_place_job:prepare", "checkpoint": {"warm_spares": 1}}
