@@ -280,7 +280,10 @@ class Keeper:
         elif time.time() - recovery.seen_at > recovery.wait_s:
             why = f"no recovery within wait_s={recovery.wait_s:g}s"
             self._log(f"gpulaunch-keeper: generation {recovery.gen} not recovered within wait_s; reading where each rank is")
-            stuck = self._whereabouts(context)  # before the replacement is killed: which one did not come, and where it is
+            try:  # before the replacement is killed: which one did not come, and where it is
+                stuck = self._whereabouts(context)
+            except Exception as exc:  # noqa: BLE001 - the evidence is a bonus: the fallback must happen whatever
+                stuck = [f"the ranks' stacks could not be read: {type(exc).__name__}: {exc}"]
             self._fall_back(context, recovery, why, stuck)
             return
         if why:

@@ -1,11 +1,20 @@
 """The records of recoveries in place, from the node's files to ``result.json``: which files are
 records (not the keeper's word to the survivors, nor a lost rank's beacon kept aside), each
-recovery once however many ranks carry it, a run's earlier launch's first, the path named."""
+recovery once however many ranks carry it, a run's earlier launch's first, the path named; and
+the keeper's fallback record when a recovery timed out, even where the ranks' stacks cannot be read."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from launcher.protocol import RankReport, RankStatus
 from launcher.records import Recovery
@@ -74,3 +83,51 @@ def test_the_summary_says_when_a_warm_spare_took_the_place() -> None:
     lines = [t.plain for t in _recovery_lines([{"world_size": 2, "recoveries": [by_spare.to_dict(), forked.to_dict()]}])]
     assert lines[0].startswith("world 2, attempt 1: rank(s) 1 lost; recovered in place by a warm spare in 1.2 s"), lines
     assert "spare" not in lines[1] and "recovered in place in 1.2 s" in lines[1], lines
+
+
+class _Process:
+    """What the keeper reads of a rank process (torch's, in its context): a real child here, so
+    that the keeper's SIGKILL of a replacement it gives up on reaches a process of this test."""
+
+    def __init__(self, popen: "subprocess.Popen[bytes] | None" = None, pid: int = 0, exitcode: int | None = None) -> None:
+        self.popen, self._pid, self._exitcode = popen, pid, exitcode
+        self.sentinel = object()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen is not None else self._pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else self._exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.popen is not None:
+            self.popen.wait(timeout)
+
+
+def test_a_timed_out_recovery_falls_back_even_where_the_ranks_stacks_cannot_be_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher.runtime import hangdump
+    from launcher.runtime.keeper import Keeper, _Lost, _Recovery
+
+    def unreadable(*_args: object, **_kwargs: object) -> list:
+        raise PermissionError("ptrace: operation not permitted")
+
+    monkeypatch.setattr(hangdump, "gather", unreadable)
+    said: list[str] = []
+    keeper = Keeper(tmp_path, 0, 0, said.append)
+    survivor, lost = _Process(pid=os.getpid()), _Process(pid=999_999_999, exitcode=-9)
+    replacement = _Process(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    try:
+        context = SimpleNamespace(processes=[survivor, replacement], sentinels={survivor.sentinel: 0, replacement.sentinel: 1})
+        keeper.recovery = _Recovery(1, [_Lost(1, 1, lost, replacement)], seen_at=time.time() - 10, wait_s=5)
+        keeper.tend(context)
+        assert replacement.popen.wait(5) == -signal.SIGKILL  # the replacement given up on
+    finally:
+        replacement.popen.kill()
+        replacement.popen.wait()
+    assert context.processes[1] is lost and context.sentinels[lost.sentinel] == 1  # torch sees the loss: the restart path
+    record = json.loads(fallback_path(folder(tmp_path, 0), 1).read_text())
+    assert record["why"] == "no recovery within wait_s=5s", record
+    assert record["stuck"] == ["the ranks' stacks could not be read: PermissionError: ptrace: operation not permitted"], record
+    assert keeper.given_up and keeper.recovery is None, said
