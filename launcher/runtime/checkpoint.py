@@ -288,11 +288,29 @@ class Checkpoints:
             seam.on_regroup.append(self._regrouped)
         gen, self.joining = self.joining, 0
         return InPlace(model, optimizer, wrap, step=step, wait_s=wait_s, rank=self.rank, world_size=self.world_size,
-                       seam=seam, metrics=self.metrics, gen=gen if self.seam is not None else 0)  # fmt: skip
+                       seam=seam, metrics=self.metrics, gen=gen if self.seam is not None else 0, layout=(self.carried_layout, self.take_layout))  # fmt: skip
 
     def _regrouped(self) -> None:
-        """The group changed under it: the layout it asked the group for is asked again (a replacement asks too)."""
-        self._leaders, self._leader_group, self._shared = None, None, None
+        """The group changed under it. On one host (where recovery in place runs) the layout it
+        asked the group for stays true, and the replacement takes it with the state
+        (``carried_layout``): asking again would put a collective in the next ``save``, outside
+        the job's ``live.run``, where a peer lost during it fails the survivor instead of being
+        recovered (seen in the goodput soak). A leaders' group belongs to the old group: then the
+        layout is asked again, by every rank (the replacement has none)."""
+        if self._leader_group is not None:
+            self._leaders, self._leader_group, self._shared = None, None, None
+
+    def carried_layout(self) -> dict[str, Any] | None:
+        """The layout a survivor sends a replacement with the state (None: not asked yet, then
+        every rank asks at its first save, the replacement too)."""
+        if self._leaders is None or self._leader_group is not None:
+            return None
+        return {"leaders": list(self._leaders), "shared": self._shared}
+
+    def take_layout(self, carried: Any) -> None:
+        """A replacement's layout, from the survivor that sent its state (``carried_layout``)."""
+        if isinstance(carried, dict) and isinstance(carried.get("leaders"), list):
+            self._leaders, self._shared = [int(r) for r in carried["leaders"]], carried.get("shared")
 
     # --- a DDP model that resumes bit for bit ------------------------------------------------------
     def fix_buckets(self, ddp: Any) -> Any:

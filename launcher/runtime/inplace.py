@@ -138,8 +138,12 @@ class InPlace:
     (``.step``), and ``run(step_fn, *args)``, which recovers a lost peer in place (module doc)."""
 
     def __init__(self, model: Any, optimizer: Any, wrap: Callable[[Any], Any], *, step: int, wait_s: float,
-                 rank: int, world_size: int, seam: GroupSeam, metrics: Any, gen: int) -> None:  # fmt: skip
+                 rank: int, world_size: int, seam: GroupSeam, metrics: Any, gen: int,
+                 layout: tuple[Callable[[], Any], Callable[[Any], None]] | None = None) -> None:  # fmt: skip
         self.raw, self.optimizer, self._wrap = model, optimizer, wrap
+        # the checkpoints' layout of the group (which ranks write): sent to a replacement with the
+        # state, so that nobody asks the group for it again in a save (``Checkpoints._regrouped``)
+        self._layout = layout
         self.step = step  # completed steps: the job's data position
         self.wait_s = wait_s
         self.rank, self.world_size, self.seam, self.metrics = rank, world_size, seam, metrics
@@ -196,7 +200,8 @@ class InPlace:
         if self.rank == source:
             from launcher.runtime.peerstate import send_state
 
-            extra = {"metrics_steps": self.metrics.steps if self.metrics is not None else None}
+            extra = {"metrics_steps": self.metrics.steps if self.metrics is not None else None,
+                     "checkpoint_layout": self._layout[0]() if self._layout is not None else None}  # fmt: skip
             for rank in dead:
                 sent += send_state(self.raw, self.optimizer, self.step, rank, extra=extra)
         state_done = time.time()
@@ -286,6 +291,8 @@ class InPlace:
         steps = header.extra.get("metrics_steps")
         if self.metrics is not None and isinstance(steps, int):
             self.metrics.resume_count(steps)
+        if self._layout is not None:
+            self._layout[1](header.extra.get("checkpoint_layout"))
 
     def _arm(self) -> None:
         """Tell the keeper this rank may be replaced in place (its pid: a stale file never counts).

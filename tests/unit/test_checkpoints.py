@@ -267,3 +267,20 @@ def test_background_saves_reuse_the_last_writes_copy_and_each_file_keeps_its_own
     older = torch.load(tmp_path / "ckpt" / "step-000000001" / "state.pt", weights_only=False)
     assert torch.equal(older["model"]["weight"], initial)  # written before its buffers were reused
     assert torch.equal(ck.load().state["model"]["weight"], torch.full((8, 8), 7.0))
+
+
+def test_a_regroup_on_one_host_keeps_the_layout_and_the_replacement_takes_it_with_the_state(tmp_path: Path) -> None:
+    """After a recovery in place no save asks the group for its layout again (every rank holds
+    it: nothing is left to ask): a collective there is outside the job's ``live.run``, and a peer
+    lost during it failed the survivor."""
+    survivor = Checkpoints(config(tmp_path), rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    survivor._leaders, survivor._shared = [0], True  # what its first save learned (one host: rank 0 writes for both)
+    replacement = Checkpoints(config(tmp_path), rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    survivor._regrouped()
+    replacement._regrouped()
+    replacement.take_layout(survivor.carried_layout())
+    assert (survivor._leaders, survivor._shared) == (replacement._leaders, replacement._shared) == ([0], True)
+    # a layout never asked is not made up: every rank asks at its first save, the replacement too
+    fresh = Checkpoints(config(tmp_path), rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    fresh.take_layout(Checkpoints(config(tmp_path), rank=0, world_size=2, local_rank=0, device=torch.device("cpu")).carried_layout())
+    assert fresh._leaders is None
