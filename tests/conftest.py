@@ -15,14 +15,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Every launch the suite starts (here or in a child, which inherits the environment) announces its
-# metrics endpoint in a directory of this process's own, never /tmp/gpulaunch/prom_sd/, which a real
-# Prometheus may watch (launcher/monitoring/endpoint.py: SD_DIR_ENV). Each xdist worker has its own.
-PROM_SD_DIR = Path(tempfile.mkdtemp(prefix="gpulaunch-test-prom-sd-"))
-os.environ["GPULAUNCH_PROM_SD_DIR"] = str(PROM_SD_DIR)
+# metrics endpoint in a directory of the suite's own, never /tmp/gpulaunch/prom_sd/, which a real
+# Prometheus may watch (launcher/monitoring/endpoint.py: SD_DIR_ENV). Each xdist worker (and the
+# controller) makes its own and removes it at its end; every child that imports this module (a job
+# of the test tree) finds its worker's in the environment: none left behind (a folder per
+# importing process was: 383 of them in /tmp).
+_SUITE_SD_ENV = f"GPULAUNCH_TEST_PROM_SD_DIR_{os.environ.get('PYTEST_XDIST_WORKER', 'main').upper()}"
+_SD_MADE_HERE = not os.environ.get(_SUITE_SD_ENV)
+PROM_SD_DIR = Path(tempfile.mkdtemp(prefix="gpulaunch-test-prom-sd-") if _SD_MADE_HERE else os.environ[_SUITE_SD_ENV])
+os.environ[_SUITE_SD_ENV] = os.environ["GPULAUNCH_PROM_SD_DIR"] = str(PROM_SD_DIR)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(PROM_SD_DIR, ignore_errors=True)
+    if _SD_MADE_HERE:
+        shutil.rmtree(PROM_SD_DIR, ignore_errors=True)
 
 
 # Under pytest-xdist (``pytest -n 3``) every test file is a unit that runs on one worker (its
