@@ -272,7 +272,7 @@ class Keeper:
                 item.original.recovered_in_place = True  # not a failure of this attempt any more
             self.recovery = None  # every rank stepped again: recovered in place
             return
-        why = ""
+        why, stuck = "", []
         if any(x.replacement.exitcode is not None for x in recovery.lost):
             why = "the replacement ended before it joined"
         elif any(p.exitcode is not None and p.exitcode != 0 for p in context.processes):
@@ -280,20 +280,22 @@ class Keeper:
         elif time.time() - recovery.seen_at > recovery.wait_s:
             why = f"no recovery within wait_s={recovery.wait_s:g}s"
             self._log(f"gpulaunch-keeper: generation {recovery.gen} not recovered within wait_s; reading where each rank is")
-            try:  # before the replacement is killed: which one did not come, and where it is
-                stuck = self._whereabouts(context)
-            except Exception as exc:  # noqa: BLE001 - the evidence is a bonus: the fallback must happen whatever
-                stuck = [f"the ranks' stacks could not be read: {type(exc).__name__}: {exc}"]
-            self._fall_back(context, recovery, why, stuck)
-            return
+            stuck = self._whereabouts(context)  # before the replacement is killed: which one did not come, and where it is
         if why:
-            self._fall_back(context, recovery, why)
+            self._fall_back(context, recovery, why, stuck)
 
     def _whereabouts(self, context: Any) -> list[str]:
         """Where each rank of the node is (the innermost frame of the thread that runs its job,
         and the innermost one in the launcher's or the job's code under it), read as a stalled
         stage's are (``launcher.runtime.hangdump``): a recovery that timed out says which rank
-        never came and at what line, instead of only that it took too long."""
+        never came and at what line, instead of only that it took too long. The evidence is a
+        bonus: where it cannot be read, one line says why, and the fallback happens all the same."""
+        try:
+            return self._read_whereabouts(context)
+        except Exception as exc:  # noqa: BLE001 - py-spy refused, a rank's account unreadable: the restart path must still run
+            return [f"the ranks' stacks could not be read: {type(exc).__name__}: {exc}"]
+
+    def _read_whereabouts(self, context: Any) -> list[str]:
         import socket
 
         from launcher.evidence import is_job_code
@@ -313,7 +315,7 @@ class Keeper:
             lines.append(f"rank {evidence.rank} (pid {evidence.pid}) at {at}{under}")
         return lines
 
-    def _fall_back(self, context: Any, recovery: _Recovery, why: str, stuck: list[str] | None = None) -> None:
+    def _fall_back(self, context: Any, recovery: _Recovery, why: str, stuck: list[str]) -> None:
         """The restart path, as if the keeper had never acted: the lost process back in torch's
         context (it sees the loss at this very poll), its beacon and count back in place."""
         for item in recovery.lost:
@@ -329,11 +331,11 @@ class Keeper:
         for kept, place in recovery.aside:
             shutil.copyfile(kept, place)
         record = {"attempt": self.attempt, "gen": recovery.gen, "in_place": False, "dead_ranks": [x.rank for x in recovery.lost],
-                  "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why, "stuck": stuck or []}  # fmt: skip
+                  "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why, "stuck": stuck}  # fmt: skip
         write_json_atomic(fallback_path(self.root, recovery.gen), record, durable=False)
         self.recovery, self.given_up = None, True
         self._log(f"gpulaunch-keeper: generation {recovery.gen} not recovered in place ({why}): the restart path")
-        for line in stuck or ():
+        for line in stuck:
             self._log(f"gpulaunch-keeper:   {line}")
 
     # --- what the lost rank left --------------------------------------------------------------
