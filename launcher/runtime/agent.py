@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     oom_before = oom_kill_count()
     argv = sys.argv[1:] if argv is None else argv
     forked_config = _forked_rank_config(argv)
-    keeps = forked_config is not None and "--nnodes=1" in argv and bool(os.environ.get(ENV_STAGE_DIR))
+    # a world of a fixed size (an elastic one's changes with its nodes: the restart path has it)
+    keeps = forked_config is not None and any(re.fullmatch(r"--nnodes=\d+", a) for a in argv) and bool(os.environ.get(ENV_STAGE_DIR))
     if keeps:
         os.environ[ENV_KEEPER] = "1"  # before the server's fork: its ranks know a keeper can replace a lost one
     if forked_config is not None:
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
         entrypoint, entry_args = forked_rank, [forked_config]
     if keeps and forked_config is not None:
-        _keep_ranks(forked_config, int(args.node_rank) * config.nproc_per_node)
+        world_size = config.max_nodes * config.nproc_per_node
+        _keep_ranks(forked_config, int(args.node_rank) * config.nproc_per_node, world_size, (args.master_addr, int(args.master_port)))
     _serve_store_on_rendezvous_address()
     _tails_end_when_told()
     forwarder = _forwarder(int(args.node_rank), config.nproc_per_node)
@@ -135,14 +138,15 @@ def main(argv: list[str] | None = None) -> int:
             forwarder.stop()  # the reports the ranks wrote on their way out go too
 
 
-def _keep_ranks(worker_json: str, first_rank: int) -> None:
+def _keep_ranks(worker_json: str, first_rank: int, world_size: int, store_address: tuple[str, int]) -> None:
     """Recovery in place on this node (``launcher.runtime.keeper``): a lost rank whose job opted
     in is replaced while torch's agent polls, before it would stop the others."""
     from launcher.protocol import WorkerConfig
     from launcher.runtime.keeper import Keeper
 
     config = WorkerConfig.from_json(Path(worker_json).read_text())
-    Keeper(Path(os.environ[ENV_STAGE_DIR]), config.attempt, first_rank, spares=config.warm_spares).install()
+    stage_dir = Path(os.environ[ENV_STAGE_DIR])
+    Keeper(stage_dir, config.attempt, first_rank, spares=config.warm_spares, world_size=world_size, store_address=store_address).install()
 
 
 def _serve_store_on_rendezvous_address() -> None:

@@ -279,15 +279,21 @@ class Checkpoints:
         while the others keep their processes, the state comes from a survivor's memory, and the
         step is done again if it had not completed. Call it on every rank, after ``load()``, in
         place of building the DDP model. Where the loss cannot be recovered in place (another
-        backend, several hosts, no replacement within ``wait_s`` seconds) the error goes on and
-        the restart path runs as without it. ``launcher.runtime.inplace`` has the whole story."""
+        backend, a lost host, no replacement within ``wait_s`` seconds) the error goes on and
+        the restart path runs as without it. Every DDP model it builds gets its gradient buckets
+        up front (``fix_buckets``): the survivors' rebuilt model reduces its first step as the old
+        one reduced its last, so the run stays bit for bit at any world size.
+        ``launcher.runtime.inplace`` has the whole story."""
         from launcher.runtime.inplace import GroupSeam, InPlace
+
+        def fixed(raw: Any) -> Any:
+            return self.fix_buckets(wrap(raw))
 
         seam = self.seam or GroupSeam(stage_dir=self._config.paths.root, attempt=self._config.attempt, restart="0", store=None, form=lambda gen: None)
         if self.seam is not None:
             seam.on_regroup.append(self._regrouped)
         gen, self.joining = self.joining, 0
-        return InPlace(model, optimizer, wrap, step=step, wait_s=wait_s, rank=self.rank, world_size=self.world_size,
+        return InPlace(model, optimizer, fixed, step=step, wait_s=wait_s, rank=self.rank, world_size=self.world_size,
                        seam=seam, metrics=self.metrics, gen=gen if self.seam is not None else 0, layout=(self.carried_layout, self.take_layout))  # fmt: skip
 
     def _regrouped(self) -> None:

@@ -28,6 +28,8 @@ optimizer from the peer and hands back the step to go on from (``live.step``).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import time
@@ -42,6 +44,7 @@ ENV_KEEPER = "GPULAUNCH_IN_PLACE_KEEPER"  # set by a torchrun agent that keeps i
 FOLDER = "in_place"  # under the stage directory: the keeper's and the ranks' files
 _RECORD_NAME = re.compile(r"gen\d+(\.fallback)?\.json")
 POLL_S = 0.005  # how often a survivor looks for the keeper's word (a stat of one file)
+RETIRE_S = 10.0  # a left group whose sockets were shut down is dropped this long after (``Retired``)
 KEEPER_DECIDES_S = 15.0  # a survivor waits this much longer than ``wait_s`` for a replacement: the keeper's fallback comes first
 
 
@@ -89,6 +92,109 @@ def stage_records(stage_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: (int(r.get("attempt") or 0), int(r.get("gen") or 0)))
 
 
+class KeeperWord:
+    """What the nodes' keepers and the ranks tell each other about each generation, in the stage's
+    store, which every host's ranks and agents reach (a node's files only its own: a survivor on
+    another host than the lost rank would never read its keeper's). The keys of attempt
+    ``attempt`` (a restart starts them again):
+
+    * ``gen``: the generations begun (a counter): a keeper takes the next for its recovery;
+    * ``busy``: the keeper (its token) whose recovery is under way: one at a time in the stage,
+      so that two hosts' keepers never form two different generations from one group;
+    * ``gen<k>/death``: the keeper's word that it started generation ``k``'s replacements (JSON:
+      the dead ranks, their pids, when the loss was seen...), published whole;
+    * ``gen<k>/outcome``: how generation ``k`` ended: ``recovered`` (the rank that sent the
+      state, once every rank stepped again), ``fallback`` (the keeper gave up: the restart path)
+      or ``declined`` (a rank ended in a way the keeper does not recover: nobody waits)."""
+
+    def __init__(self, store: Any, attempt: int) -> None:
+        self.store = store
+        self.prefix = f"gpulaunch/in_place/a{attempt}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        key = self._key(name)
+        if not self.store.check([key]):
+            return None
+        found = json.loads(self.store.get(key))
+        return found if isinstance(found, dict) else None
+
+    def claim(self, token: str) -> int | None:
+        """The next generation for this keeper's recovery, or None while another's is under way."""
+        if self.store.compare_set(self._key("busy"), "", token) != token.encode():
+            return None
+        return int(self.store.add(self._key("gen"), 1))
+
+    def release(self, token: str) -> None:
+        self.store.compare_set(self._key("busy"), token, "")
+
+    def begun(self) -> int:
+        """How many generations were begun (the group's current one, where all recovered)."""
+        return int(self.store.add(self._key("gen"), 0))
+
+    def publish_death(self, gen: int, death: Mapping[str, Any]) -> None:
+        self.store.set(self._key(f"gen{gen}/death"), json.dumps(dict(death)))
+
+    def death(self, gen: int) -> dict[str, Any] | None:
+        return self._read(f"gen{gen}/death")
+
+    def settle(self, gen: int, kind: str, record: Mapping[str, Any]) -> None:
+        self.store.set(self._key(f"gen{gen}/outcome"), json.dumps({**record, "outcome": kind}))
+
+    def outcome(self, gen: int) -> dict[str, Any] | None:
+        return self._read(f"gen{gen}/outcome")
+
+
+def socket_fds() -> dict[int, str]:
+    """This process's open sockets: descriptor -> the kernel's name of it (``socket:[inode]``);
+    none where there is no ``/proc`` (then a left group's sockets are not shut down: ``Retired``)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("socket:"):
+                found[int(name)] = target
+    return found
+
+
+def opened_between(before: Mapping[int, str], after: Mapping[int, str]) -> dict[int, str]:
+    """The sockets in ``after`` that ``before`` did not have: a process group's own, where
+    ``before``/``after`` surround its forming (its connection to every peer, its listener)."""
+    return {fd: name for fd, name in after.items() if before.get(fd) != name}
+
+
+def shut_down(sockets: Mapping[int, str]) -> int:
+    """``shutdown(2)`` each of ``sockets`` still open as itself (not a reused descriptor), without
+    closing it (its owner, gloo, does that when the group goes): a collective blocked on it fails at
+    once, here and at its peer, which sees the connection closed. Returns how many were shut."""
+    import socket
+
+    shut = 0
+    for fd, name in sockets.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != name:
+                continue
+        except OSError:
+            continue
+        sock = socket.socket(fileno=fd)
+        try:
+            # never a listener: gloo's accept loop aborts the process on the error that would wake it
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                shut += 1
+        except OSError:
+            pass  # a connection already broken
+        finally:
+            sock.detach()  # the descriptor stays gloo's
+    return shut
+
+
 def group_prefix(restart: str, gen: int) -> str:
     """The store prefix of the process group's generation ``gen`` (0: the group as first formed)."""
     return "default_pg" if gen == 0 else f"gpulaunch/in_place/{restart}/gen{gen}"
@@ -124,13 +230,42 @@ class GroupSeam:
     (the worker's own group set-up on the stage's store) and who to tell that the group changed
     (the stop notice's flags, the checkpoints' cached layout)."""
 
-    def __init__(self, *, stage_dir: Path, attempt: int, restart: str, store: Any, form: Callable[[int], None]) -> None:
+    def __init__(self, *, stage_dir: Path, attempt: int, restart: str, store: Any, form: Callable[[int], None],
+                 collective_timeout_s: float = 1800.0, sockets: Callable[[], Mapping[int, str]] = dict) -> None:  # fmt: skip
         self.root = folder(stage_dir, attempt)
         self.attempt = attempt
         self.restart = restart
         self.store = store
+        self.word = KeeperWord(store, attempt) if store is not None else None
         self.form = form
+        # a left group's collectives end by then at the latest (failed or timed out): see Retired
+        self.collective_timeout_s = collective_timeout_s
+        self.sockets = sockets  # the current group's own sockets (``opened_between`` its forming)
         self.on_regroup: list[Callable[[], None]] = []
+
+
+class Retired:
+    """A left generation's process group, kept alive until its gloo workers are surely idle.
+
+    Freeing a gloo group joins its worker threads under the GIL (``~ProcessGroupGloo`` waits on
+    the group's work mutex), while a worker that finishes a collective frees it holding that
+    mutex, and freeing it takes the GIL (the work keeps the thread-local state it was queued
+    with, and torch's backward puts a Python object there: its ``contextvars`` context): if the
+    rank's last reference to the group goes while a collective is still queued or finishing, both
+    threads wait for ever (seen in the goodput soak, 3 faults of 153, with py-spy --native;
+    pytorch#179291 is of this kind). That is just after a peer's death, when the broken step's
+    collectives are failing one by one. So a survivor never drops the group it leaves there: it
+    shuts its sockets down (``shut_down``: every collective of it fails at once, here and at the
+    peers, which a collective waiting on another survivor, not on the dead rank, needs: gloo has
+    no abort) and keeps the group here (its DDP model, the other holder, may go at any time, even
+    in a garbage collection), then drops it at a step ``RETIRE_S`` later, its workers long idle.
+    Where its sockets could not be shut (no ``/proc``), it waits two collective timeouts instead,
+    by which its collectives have ended anyway. A rank ending before then leaves them to
+    ``os._exit`` (torch's process start), which runs no destructor."""
+
+    def __init__(self, group: Any, release_at: float) -> None:
+        self.group = group
+        self.release_at = release_at  # time.monotonic()
 
 
 class InPlace:
@@ -150,6 +285,7 @@ class InPlace:
         self.gen = gen
         self._commits = 0
         self._pending: dict[str, Any] | None = None  # a recovery whose first step is not done yet
+        self.retired: list[Retired] = []  # the groups this rank left, oldest first
         optimizer.register_step_post_hook(self._committed)
         if gen:
             self._receive(gen)
@@ -214,41 +350,56 @@ class InPlace:
             }  # fmt: skip
 
     def _await_death(self, gen: int) -> dict[str, Any] | None:
-        """The keeper's word that it forked generation ``gen``'s replacements, within ``wait_s``."""
-        path, declined = death_path(self.seam.root, gen), declined_path(self.seam.root, gen)
+        """The keeper's word that it started generation ``gen``'s replacements, within ``wait_s``
+        (from the keeper of whichever host lost the rank)."""
+        word = self.seam.word
+        assert word is not None
         deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
-            found = read_json(path)
-            if isinstance(found, dict) and found.get("ranks"):
+            found = word.death(gen)
+            if found is not None and found.get("ranks"):
                 return found
-            if declined.exists():
-                return None
+            if word.outcome(gen) is not None:
+                return None  # declined: no replacement is coming
             time.sleep(POLL_S)
         return None
 
     def _wait_for_arrivals(self, gen: int, dead: list[int]) -> None:
         """Until every replacement has started to join; a few milliseconds at a time, not one
-        blocking wait: a keeper that gave up (``gen<k>.fallback.json``) is heard at once, and the
+        blocking wait: a keeper that gave up (its ``fallback`` outcome) is heard at once, and the
         rank can take its signals meanwhile."""
+        word = self.seam.word
+        assert word is not None
         keys = [arrived_key(self.seam.restart, gen, rank) for rank in dead]
         # the keeper decides when a recovery has taken too long (it then reads where each rank is,
         # and falls back); this rank's own bound, later, guards against a keeper that is gone
         deadline = time.monotonic() + self.wait_s + KEEPER_DECIDES_S
         while not self.seam.store.check(keys):
-            if fallback_path(self.seam.root, gen).exists() or time.monotonic() > deadline:
+            if word.outcome(gen) is not None or time.monotonic() > deadline:
                 raise TimeoutError(f"in-place recovery: generation {gen}'s replacement(s) of rank(s) {dead} did not come")
             time.sleep(POLL_S)
 
     def _leave_group(self) -> None:
         import torch.distributed as dist
 
+        shut = shut_down(self.seam.sockets())  # first: a peer still blocked in the old group hears it now
         old, self.model = self.model, None
         remove = getattr(old, "_remove_autograd_hooks", None)  # the old reducer's hooks would fire on the next backward
         if callable(remove):
             remove()
-        del old
         if dist.is_initialized():
-            dist.destroy_process_group()
+            # held before the old model goes: its reducer's reference may otherwise be the last
+            group = dist.distributed_c10d._get_default_group()
+            wait_s = RETIRE_S if shut else 2 * self.seam.collective_timeout_s
+            self.retired.append(Retired(group, time.monotonic() + wait_s))
+            dist.destroy_process_group()  # out of torch's tables; the group lives on in self.retired
+        del old
+
+    def _release_retired(self) -> None:
+        """Drop the left groups whose collectives have all ended (``Retired``)."""
+        now = time.monotonic()
+        while self.retired and self.retired[0].release_at <= now:
+            self.retired.pop(0)
 
     def _rewrap(self) -> None:
         for callback in self.seam.on_regroup:
@@ -257,11 +408,14 @@ class InPlace:
 
     def _stepped(self) -> None:
         """After a completed step: the first one of a recovery closes its record."""
+        if self.retired:
+            self._release_retired()
         pending, self._pending = self._pending, None
         if pending is None:
             return
         death = pending.pop("death")
-        death = read_json(death_path(self.seam.root, pending["gen"])) or death  # now with the replacement's pid and fork time
+        word = self.seam.word
+        death = (word.death(pending["gen"]) if word is not None else None) or death  # now with the replacement's pid and fork time
         died = min(float(death.get("seen_at") or pending["detected_at"]), pending["detected_at"])
         stepped = time.time()
         lost = death.get("steps_at_death")
@@ -276,12 +430,14 @@ class InPlace:
             "steps_lost": max(0, int(lost) - pending["resumed_step"]) if isinstance(lost, int) else 0,
         }  # fmt: skip
         write_json_atomic(record_path(self.seam.root, record["gen"]), record)
+        if word is not None:
+            word.settle(record["gen"], "recovered", record)  # the lost rank's keeper may be on another host
 
     # --- a replacement ------------------------------------------------------------------------
     def _receive(self, gen: int) -> None:
         from launcher.runtime.peerstate import receive_state
 
-        death = read_json(death_path(self.seam.root, gen)) or {}
+        death = (self.seam.word.death(gen) if self.seam.word is not None else None) or {}
         dead = [int(r) for r in death.get("ranks") or [self.rank]]
         source = min(r for r in range(self.world_size) if r not in dead)
         for callback in self.seam.on_regroup:

@@ -25,8 +25,13 @@ processes forked once every rank has opted in, which run the job's ``prepare`` a
 is handed to a spare first (its job's start done ahead), to a fork only when none is left, and a
 spare is forked again once the recovery is over.
 
-Only for a stage on one node: ranks on other hosts would need every host's keeper to agree on a
-generation over the network, which is not built (``docs/fault-tolerance.md``).
+Over several hosts every node's agent has its keeper, each for its own ranks; they and the ranks
+agree through the stage's store (``launcher.runtime.inplace.KeeperWord``): a keeper takes the next
+generation there (one recovery at a time in the stage: a second keeper that finds one under way
+leaves its loss to the restart path), publishes its word there, and learns there that the
+recovery ended, from the rank that sent the state, which may be on another host. The node's
+files (``gen<k>.death.json``, ``gen<k>.fallback.json``...) stay as its evidence. A lost host takes
+its keeper with it: the launcher's restart path has it, as before.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,9 +52,10 @@ from typing import Any, Callable
 
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import StagePaths
-from launcher.runtime.inplace import armed_path, death_path, declined_path, fallback_path, folder, joining_args, record_path
+from launcher.runtime.inplace import KeeperWord, armed_path, death_path, declined_path, fallback_path, folder, joining_args
 from launcher.runtime.stepcount import counter_path, read_steps
 
+CONNECT_S = 10.0  # the keeper's connection to the stage's store (up already: the ranks joined through it)
 WHEREABOUTS_WAIT_S = 2.0  # a timed-out recovery: how long the ranks have to give their own stacks (py-spy's are read meanwhile)
 
 
@@ -78,11 +85,16 @@ class _Recovery:
 class Keeper:
     """One per agent (one node, one attempt): ``install()`` hooks torch's polling of the ranks."""
 
-    def __init__(self, stage_dir: Path, attempt: int, first_rank: int, log: Callable[[str], None] | None = None, *, spares: int = 0) -> None:
+    def __init__(self, stage_dir: Path, attempt: int, first_rank: int, log: Callable[[str], None] | None = None, *, spares: int = 0,
+                 world_size: int, store_address: tuple[str, int]) -> None:  # fmt: skip
         self.paths = StagePaths(stage_dir)
         self.root = folder(stage_dir, attempt)
         self.attempt = attempt
         self.first_rank = first_rank
+        self.world_size = world_size
+        self.store_address = store_address  # the stage's store (node 0's agent serves it)
+        self.word: KeeperWord | None = None  # see _word
+        self.token = f"{socket.gethostname()}:{os.getpid()}"
         self.gen = 0
         self.recovery: _Recovery | None = None
         self.given_up = False  # after a fallback: the restart path has this attempt
@@ -134,6 +146,18 @@ class Keeper:
             self._log(f"gpulaunch-keeper: {type(exc).__name__}: {exc}; the restart path has this loss")
             self.given_up = True
 
+    def _word(self) -> KeeperWord:
+        """The stage's store, connected at the first loss of a rank that opted in (a stage whose
+        job never does pays nothing)."""
+        if self.word is None:
+            from datetime import timedelta
+
+            from torch._C._distributed_c10d import TCPStore
+
+            host, port = self.store_address
+            self.word = KeeperWord(TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_S)), self.attempt)
+        return self.word
+
     def _replace_lost(self, context: Any) -> None:
         ready = multiprocessing.connection.wait(list(context.sentinels), timeout=0)
         if not ready:
@@ -152,16 +176,22 @@ class Keeper:
                 return  # torch's path for all
             lost.append(_Lost(index, self.first_rank + index, process))
             wait_s = max(wait_s, float(armed.get("wait_s") or 0.0))
-        if len(lost) >= len(context.processes):
-            return  # no survivor on this node to recover from
-        self.gen += 1
+        if len(lost) >= self.world_size:
+            return  # no survivor to recover from
+        gen = self._word().claim(self.token)
+        if gen is None:
+            self._log(f"gpulaunch-keeper: rank(s) {[x.rank for x in lost]} lost while another node's recovery is under way: the restart path")
+            self.given_up = True
+            return
+        self.gen = gen
         recovery = _Recovery(self.gen, lost, seen, wait_s)
         self._keep_aside(recovery)
         death = {
             "attempt": self.attempt, "gen": self.gen, "ranks": [x.rank for x in lost], "pids": [x.original.pid for x in lost],
             "exitcodes": [x.original.exitcode for x in lost], "seen_at": seen, "steps_at_death": self._steps_at_death(recovery),
         }  # fmt: skip
-        write_json_atomic(death_path(self.root, self.gen), death, durable=False)  # published whole: the survivors act on it
+        write_json_atomic(death_path(self.root, self.gen), death, durable=False)
+        self._word().publish_death(self.gen, death)  # published whole: the survivors, on any host, act on it
         kinds = []
         for item in lost:
             item.replacement = self._assign_spare(context, item, self.gen)
@@ -170,13 +200,18 @@ class Keeper:
                 item.replacement = self._fork(context, item, self.gen)
         death.update(forked_at=time.time(), replacement_pids=[x.replacement.pid for x in lost], replacements=kinds)
         write_json_atomic(death_path(self.root, self.gen), death, durable=False)
+        self._word().publish_death(self.gen, death)
         self.recovery = recovery
         self._log(f"gpulaunch-keeper: rank(s) {death['ranks']} lost (exit {death['exitcodes']}); replaced in place, generation {self.gen}")
 
     def _decline(self, why: str) -> None:
-        if self.root.is_dir():  # only where ranks opted in: elsewhere nobody waits
-            write_json_atomic(declined_path(self.root, self.gen + 1), {"attempt": self.attempt, "gen": self.gen + 1, "why": why}, durable=False)
         self.given_up = True
+        if self.root.is_dir():  # only where ranks opted in: elsewhere nobody waits
+            word = self._word()
+            gen = word.begun() + 1  # the generation every survivor, on any host, waits for
+            record = {"attempt": self.attempt, "gen": gen, "why": why}
+            write_json_atomic(declined_path(self.root, gen), record, durable=False)
+            word.settle(gen, "declined", record)
 
     def _fork(self, context: Any, item: _Lost, gen: int) -> Any:
         """The lost rank again, from the rank server: torch's own target and arguments, its
@@ -267,10 +302,13 @@ class Keeper:
     def _settle(self, context: Any) -> None:
         recovery = self.recovery
         assert recovery is not None
-        if record_path(self.root, recovery.gen).exists():
+        word = self._word()
+        outcome = word.outcome(recovery.gen)  # the rank that sent the state says it, from any host
+        if outcome is not None and outcome.get("outcome") == "recovered":
             for item in recovery.lost:
                 item.original.recovered_in_place = True  # not a failure of this attempt any more
             self.recovery = None  # every rank stepped again: recovered in place
+            word.release(self.token)
             return
         why, stuck = "", []
         if any(x.replacement.exitcode is not None for x in recovery.lost):
@@ -296,8 +334,6 @@ class Keeper:
             return [f"the ranks' stacks could not be read: {type(exc).__name__}: {exc}"]
 
     def _read_whereabouts(self, context: Any) -> list[str]:
-        import socket
-
         from launcher.evidence import is_job_code
         from launcher.runtime.hangdump import gather
 
@@ -334,6 +370,9 @@ class Keeper:
                   "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why, "stuck": stuck}  # fmt: skip
         write_json_atomic(fallback_path(self.root, recovery.gen), record, durable=False)
         self.recovery, self.given_up = None, True
+        word = self._word()
+        word.settle(recovery.gen, "fallback", record)  # the survivors on every host stop waiting
+        word.release(self.token)
         self._log(f"gpulaunch-keeper: generation {recovery.gen} not recovered in place ({why}): the restart path")
         for line in stuck:
             self._log(f"gpulaunch-keeper:   {line}")

@@ -162,6 +162,7 @@ class _Rank:
         self.dist: Any = None
         self.undo_ddp_timing: Callable[[], None] = lambda: None
         self.store: Any = None  # the stage's store this rank joined on (a replacement in place joins on it too)
+        self.group_sockets: dict[int, str] = {}  # the process group's own sockets (recovery in place shuts them down)
         self.store_server: Any = None  # rank 0's own store, where no agent hosts one (serve_own_store)
         self.set_agent_store = False  # this rank set TORCHELASTIC_USE_AGENT_STORE (serve_own_store)
 
@@ -227,7 +228,7 @@ class _Rank:
         self.set_agent_store = True
 
     def join_group(self, device: Any) -> None:
-        from launcher.runtime.inplace import arrived_key, group_prefix, joining_gen
+        from launcher.runtime.inplace import arrived_key, group_prefix, joining_gen, opened_between, socket_fds
 
         self.beacon.set_phase("rendezvous")
         joined = _rendezvous(self.dist, self.config)
@@ -238,7 +239,9 @@ class _Rank:
         gen = joining_gen(self.env)  # a replacement in place joins its survivors' new generation of the group
         if gen:
             self.store.set(arrived_key(self._restart, gen, joined[1]), "1")
+        before = socket_fds()
         _init_group(self.dist, self.config, device, *joined, prefix=group_prefix(self._restart, gen))
+        self.group_sockets = opened_between(before, socket_fds())  # shut down if the group is left in place
         # Every rank past init before any goes on: a rank whose job ends at once would otherwise
         # destroy its group while a peer the machine has not scheduled yet is still connecting
         # (gloo's connectFullMesh then fails with "Connection closed by peer").
@@ -261,11 +264,17 @@ class _Rank:
         r = self.report
 
         def form(gen: int) -> None:
-            from launcher.runtime.inplace import group_prefix
+            from launcher.runtime.inplace import group_prefix, opened_between, socket_fds
 
+            before = socket_fds()
             _init_group(self.dist, self.config, device, self.store, r.rank, r.world_size, prefix=group_prefix(self._restart, gen))
+            self.group_sockets = opened_between(before, socket_fds())
 
-        checkpoint.seam = GroupSeam(stage_dir=self.paths.root, attempt=self.config.attempt, restart=self._restart, store=self.store, form=form)
+        timeout_s = self.config.collective_timeout_s or _default_collective_timeout(self.config.pg_backend).total_seconds()
+        checkpoint.seam = GroupSeam(
+            stage_dir=self.paths.root, attempt=self.config.attempt, restart=self._restart, store=self.store, form=form,
+            collective_timeout_s=timeout_s, sockets=lambda: self.group_sockets,
+        )
         checkpoint.seam.on_regroup.append(notice.regroup)
         checkpoint.joining = joining_gen(self.env)
 

@@ -11,15 +11,17 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from torch.distributed import TCPStore
 
 from launcher.protocol import RankReport, RankStatus
 from launcher.records import Recovery
 from launcher.results.aggregate import _recoveries, stage_phases
-from launcher.runtime.inplace import death_path, declined_path, fallback_path, folder, record_path, stage_records
+from launcher.runtime.inplace import KeeperWord, death_path, declined_path, fallback_path, folder, record_path, stage_records
 from launcher.ui.console import _recovery_lines
 
 
@@ -115,7 +117,8 @@ def test_a_timed_out_recovery_falls_back_even_where_the_ranks_stacks_cannot_be_r
 
     monkeypatch.setattr(hangdump, "gather", unreadable)
     said: list[str] = []
-    keeper = Keeper(tmp_path, 0, 0, said.append)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))  # the stage's
+    keeper = Keeper(tmp_path, 0, 0, said.append, world_size=2, store_address=("127.0.0.1", store.port))
     survivor, lost = _Process(pid=os.getpid()), _Process(pid=999_999_999, exitcode=-9)
     replacement = _Process(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
     try:
@@ -131,3 +134,5 @@ def test_a_timed_out_recovery_falls_back_even_where_the_ranks_stacks_cannot_be_r
     assert record["why"] == "no recovery within wait_s=5s", record
     assert record["stuck"] == ["the ranks' stacks could not be read: PermissionError: ptrace: operation not permitted"], record
     assert keeper.given_up and keeper.recovery is None, said
+    word = KeeperWord(store, 0)  # what the survivors on every host read
+    assert word.outcome(1) == {**record, "outcome": "fallback"}

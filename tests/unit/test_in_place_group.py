@@ -1,0 +1,46 @@
+"""A survivor's left process group outlives the recovery (``launcher.runtime.inplace.Retired``):
+freeing a gloo group while its collectives are still failing deadlocks the rank (the gloo worker
+frees a finished collective holding the group's mutex and waits for the GIL, the main thread
+holds the GIL and waits for that mutex). A real gloo group of one rank, in this process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher.runtime.inplace import GroupSeam, InPlace
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_the_left_group_is_kept_until_its_collectives_have_surely_ended(tmp_path: Path, one_rank_group: None) -> None:
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seam = GroupSeam(stage_dir=tmp_path, attempt=0, restart="0", store=None, form=lambda gen: None, collective_timeout_s=0.2)
+    live = InPlace(model, optimizer, torch.nn.parallel.DistributedDataParallel, step=0, wait_s=1.0,
+                   rank=0, world_size=1, seam=seam, metrics=None, gen=0)  # fmt: skip
+    group = dist.distributed_c10d._get_default_group()
+    live.model(torch.ones(3, 4)).sum().backward()  # a collective of the group's, done
+
+    live._leave_group()
+
+    assert not dist.is_initialized() and live.model is None
+    assert [r.group for r in live.retired] == [group]
+    work = group.allreduce([torch.ones(2)])  # still a working group: its threads and sockets live
+    assert work.wait() and work.result()[0].tolist() == [1.0, 1.0]
+    live._stepped()
+    assert live.retired, "dropped before two collective timeouts had passed"
+    time.sleep(2 * 0.2 + 0.05)
+    live._stepped()
+    assert live.retired == []
