@@ -32,6 +32,13 @@ out: a kill during the first save after a recovery, fixed; and a survivor stuck 
 it leaves the old group, about once in 25 runs of 45 s, the native cause not found yet: the
 fallback record's ``stuck`` lines say where each rank was).
 
+``--hosts N`` runs each variant over N namespace hosts (``tests/cluster``'s rig: sshd and a
+private run root each; root, ``ip`` and ``sshd`` needed), 2 CPU ranks per host: ``bare`` is a
+torchrun per host (the c10d rendezvous, a failure restarting every node's ranks in a new round),
+the launcher's variants run with ``--cluster``; each fault SIGKILLs another rank (``victim``:
+every rank but 0 in turn, consecutive faults on different hosts), and a loss's figures come from
+``result.json``. Every host shares this machine's cores.
+
 ``--together`` runs the variants at the same time (each its own 2 ranks, the faults at the same
 moments): on a machine whose load other work changes, one after the other they do not see the
 same machine (a step took 0.5 s in one variant's window and 3 s in another's here).
@@ -40,8 +47,10 @@ same machine (a step took 0.5 s in one variant's window and 3 s in another's her
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -63,7 +72,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
 
 
-def _start(variant: str, work: Path, end_at: float, args: Any) -> subprocess.Popen[bytes]:
+def _start(variant: str, work: Path, end_at: float, args: Any, rig: Any = None) -> list[subprocess.Popen[bytes]]:
+    """The variant's processes: one (torchrun, or ``launch``), or with ``rig`` (``--hosts``) a
+    torchrun per namespace host for ``bare``. The job's step log, pids and ``bare``'s checkpoint
+    are under ``work``, outside the hosts' private run roots: the soak's own instruments."""
     common = {
         "steplog": str(work / "steps.log"),
         "pids": str(work / "pids"),
@@ -72,27 +84,50 @@ def _start(variant: str, work: Path, end_at: float, args: Any) -> subprocess.Pop
         "batch": args.batch,
         "every": args.every,
     }
-    log = open(work / "output.log", "wb")  # noqa: SIM115 - the child's, closed with it
+    log = open(work / "output.log", "wb")  # noqa: SIM115 - the children's, closed with them
     if variant == "bare":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1000", "--monitor-interval=0.1", str(JOB),
-               *[f"--{k.replace('_', '-')}={v}" for k, v in common.items()], f"--ckpt={work / 'ckpt.pt'}"]  # fmt: skip
-    else:
-        spec = {
-            "name": f"goodput_{variant}", "entrypoint": "benchmarks.jobs.goodput_job:run",
-            "params": {**common, "mode": "in_place" if variant.startswith("in_place") else variant},
-            "resources": {"cpu_workers": 2}, "scaling": {"workers": [2]}, "max_restarts": 100,
-            "checkpoint": {"keep": 1, "async_save": "_async" in variant, "warm_spares": 1 if variant.endswith("_spare") else 0},
-            "timeouts": {"rendezvous_s": 300, "run_s": args.duration + 900},
-        }  # fmt: skip
-        if variant.endswith("_spare"):  # the job's start in prepare(): a warm spare has built it when a rank is lost
-            spec["prepare"] = "benchmarks.jobs.goodput_job:prepare"
-        (work / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-        cmd = [sys.executable, "-m", "launcher", str(work / "spec.yaml"), "--out", str(work / "runs"), "--quiet"]
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        job = [str(JOB), *[f"--{k.replace('_', '-')}={v}" for k, v in common.items()], f"--ckpt={work / 'ckpt.pt'}"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1000", "--monitor-interval=0.1"]
+        if rig is None:
+            return [_popen([*torchrun, "--standalone", *job], log)]
+        hosts = rig.hosts[: args.hosts]
+        # the dynamic (c10d) rendezvous: a failure restarts every node's ranks in a new round
+        rendezvous = [f"--nnodes={len(hosts)}", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0].address}:29400", f"--rdzv-id=goodput-{work.name}"]
+        # is_host: the namespace hosts share this machine's name, so torch cannot tell which one serves the rendezvous
+        return [
+            _popen(rig.ns_cmd(*torchrun, *rendezvous, f"--rdzv-conf=is_host={int(i == 0)}", *job, ns=host.ns), log, {"GLOO_SOCKET_IFNAME": "eth0"})
+            for i, host in enumerate(hosts)
+        ]
+    spec = {
+        "name": f"goodput_{variant}", "entrypoint": "benchmarks.jobs.goodput_job:run",
+        "params": {**common, "mode": "in_place" if variant.startswith("in_place") else variant},
+        "resources": {"cpu_workers": 2}, "scaling": {"workers": [2]}, "max_restarts": 100,
+        "checkpoint": {"keep": 1, "async_save": "_async" in variant, "warm_spares": 1 if variant.endswith("_spare") else 0},
+        "timeouts": {"rendezvous_s": 300, "run_s": args.duration + 900},
+    }  # fmt: skip
+    if variant.endswith("_spare"):  # the job's start in prepare(): a warm spare has built it when a rank is lost
+        spec["prepare"] = "benchmarks.jobs.goodput_job:prepare"
+    cmd = [sys.executable, "-m", "launcher", str(work / "spec.yaml"), "--out", str(work / "runs"), "--quiet"]
+    if rig is not None:
+        spec.pop("scaling")
+        spec["resources"] = {"nodes": args.hosts, "cpu_workers": 2}
+        spec["env"] = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        cmd = rig.ns_cmd(*cmd, "--no-metrics", "--cluster", str(rig.cluster_yaml(work / "cluster.yaml", hosts=rig.hosts[: args.hosts])))
+    (work / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return [_popen(cmd, log)]
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """The variant's process and everything under it, by pid (torchrun puts its ranks in sessions of their own)."""
+def _popen(cmd: list[str], log: Any, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, cwd=REPO, env={**_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """The variant's processes and everything under them, by pid (torchrun puts its ranks in sessions of their own)."""
+    for proc in procs:
+        _stop_one(proc)
+
+
+def _stop_one(proc: subprocess.Popen[bytes]) -> None:
     import psutil
 
     if proc.poll() is not None:
@@ -110,11 +145,20 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _rank1(work: Path) -> int | None:
+def _rank_pid(work: Path, rank: int) -> int | None:
     try:
-        return int((work / "pids" / "rank1").read_text())
+        return int((work / "pids" / f"rank{rank}").read_text())
     except (OSError, ValueError):
         return None
+
+
+def victim(kill: int, world_size: int) -> int:
+    """The rank the ``kill``-th fault (0 on) takes: rank 1 on 2 ranks; over more (2 per host: an
+    even world, so an odd count of candidates), every rank but 0 in turn, two apart, so that
+    consecutive faults fall on different hosts (4 hosts: 1, 3, 5, 7, 2, 4, 6)."""
+    if world_size <= 2:
+        return 1
+    return 1 + (kill * 2) % (world_size - 1)
 
 
 def _alive(pid: int) -> bool:
@@ -130,24 +174,26 @@ def _spares_ready(work: Path) -> int:
     return sum(1 for _ in work.glob("runs/*/*/world*/in_place/attempt*/spare.*.json"))
 
 
-def _kill_loop(proc: subprocess.Popen[bytes], work: Path, started: float, end_at: float, interval: float, await_spare: bool = False) -> list[dict[str, Any]]:
-    """SIGKILL rank 1 at every ``interval`` from the start while the run lasts; the kills done.
-    ``await_spare``: each kill also waits for a warm spare that is ready (the short test's fault
-    is the spare's, whatever the machine's load)."""
+def _kill_loop(procs: list[subprocess.Popen[bytes]], work: Path, started: float, end_at: float, interval: float, world_size: int,
+               await_spare: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """SIGKILL a rank (``victim``) at every ``interval`` from the start while the run lasts; the
+    kills done. ``await_spare``: each kill also waits for a warm spare that is ready (the short
+    test's fault is the spare's, whatever the machine's load)."""
     kills: list[dict[str, Any]] = []
     killed: set[int] = set()
     due = started + interval
-    while proc.poll() is None and due < end_at - 5 and time.time() < end_at - 5:  # no kill in the run's last seconds
+    while procs[0].poll() is None and due < end_at - 5 and time.time() < end_at - 5:  # no kill in the run's last seconds
         time.sleep(0.05)  # never a busy wait: the soak's own CPU is the ranks' to use
         if time.time() < due or (await_spare and _spares_ready(work) <= len(kills)):
             continue
-        pid = _rank1(work)
+        rank = victim(len(kills), world_size)
+        pid = _rank_pid(work, rank)
         if pid is None or pid in killed or not _alive(pid):
             continue  # its new process has not published itself yet: the kill waits for it
         at = time.time()
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
-        kills.append({"pid": pid, "at": at, "late_s": round(at - due, 3)})
+        kills.append({"pid": pid, "rank": rank, "at": at, "late_s": round(at - due, 3)})
         due += interval
     return kills
 
@@ -174,7 +220,7 @@ def _goodput(rows: list[tuple[int, float, float, int]], wall: float) -> dict[str
 
 
 def _failures(rows: list[tuple[int, float, float, int]], kills: list[dict[str, Any]], work: Path) -> list[dict[str, Any]]:
-    records = _in_place_records(work)
+    recoveries = _recoveries(work)
     ended = _attempt_ends(work)
     out = []
     for kill in kills:
@@ -182,15 +228,17 @@ def _failures(rows: list[tuple[int, float, float, int]], kills: list[dict[str, A
         before = [step for step, _, t1, _ in rows if t1 <= at]
         after = [(t1, step) for step, t0, t1, _ in rows if t0 > at]
         first_after = min(after) if after else None
-        entry: dict[str, Any] = {"killed_pid": kill["pid"], "at": round(at, 3)}
+        entry: dict[str, Any] = {"killed_pid": kill["pid"], "rank": kill.get("rank", 1), "at": round(at, 3)}
         entry["recovery_s"] = round(first_after[0] - at, 3) if first_after else None
         entry["steps_lost"] = max(0, (max(before) + 1 if before else 0) - first_after[1]) if first_after else None
-        record = next((r for r in records if kill["pid"] in (r.get("dead_pids") or [])), None)
-        if record is not None:
+        # the recovery of this kill: its rank, the first one whose death is not before the kill
+        record = next((r for r in recoveries if entry["rank"] in r.get("dead_ranks", ()) and float(r.get("died_at") or 0) >= at - 1.0), None)
+        if record is not None and record.get("path") == "in_place":
+            died = float(record["died_at"])
             entry.update(
-                path="in_place", detection_s=round(float(record["detected_at"]) - at, 3), state_s=record.get("state_s"), state_bytes=record.get("state_bytes"),
-                replacements=record.get("replacements"),
-            )
+                path="in_place", detection_s=round(died + float(record.get("detection_s") or 0.0) - at, 3), state_s=record.get("state_s"),
+                state_bytes=record.get("state_bytes"), replacements=record.get("replacements"),
+            )  # fmt: skip
         else:
             end = next((e for e in ended if e > at), None)
             entry.update(path="restart", detection_s=round(end - at, 3) if end is not None and work.joinpath("runs").exists() else None)
@@ -198,12 +246,13 @@ def _failures(rows: list[tuple[int, float, float, int]], kills: list[dict[str, A
     return out
 
 
-def _in_place_records(work: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in work.glob("runs/*/*/world*/in_place/attempt*/gen*.json"):
-        if path.name.count(".") == 1:
-            found.append(json.loads(path.read_text()))
-    return found
+def _recoveries(work: Path) -> list[dict[str, Any]]:
+    """Every loss the launcher told in its result (``stages[].recoveries``), oldest first."""
+    found: list[dict[str, Any]] = []
+    for path in work.glob("runs/*/*/result.json"):
+        doc = json.loads(path.read_text())
+        found += [r for stage in doc.get("stages", []) for r in stage.get("recoveries") or []]
+    return sorted(found, key=lambda r: float(r.get("died_at") or 0))
 
 
 def _attempt_ends(work: Path) -> list[float]:
@@ -214,26 +263,31 @@ def _attempt_ends(work: Path) -> list[float]:
     return []
 
 
-def soak(variant: str, args: Any, started: float | None = None) -> dict[str, Any]:
-    """One variant for ``--duration`` seconds from ``started`` (now by default), rank 1 killed every ``--interval``."""
+def soak(variant: str, args: Any, started: float | None = None, rig: Any = None) -> dict[str, Any]:
+    """One variant for ``--duration`` seconds from ``started`` (now by default), a rank killed every ``--interval``."""
     work = Path(tempfile.mkdtemp(prefix=f"goodput-{variant}-", dir=args.work_root))  # kept: its logs, runs and checkpoints
     started = started or time.time()
     end_at = started + args.duration
-    proc = _start(variant, work, end_at, args)
+    procs = _start(variant, work, end_at, args, rig)
+    world_size = 2 * (args.hosts if rig is not None else 1)
     stopped = False
     try:
-        kills = _kill_loop(proc, work, started, end_at, args.interval, await_spare=args.await_spare and variant.endswith("_spare"))
+        kills = _kill_loop(procs, work, started, end_at, args.interval, world_size, await_spare=args.await_spare and variant.endswith("_spare"))
         try:
-            code: int | None = proc.wait(timeout=max(1.0, end_at + args.grace - time.time()))
+            deadline = end_at + args.grace
+            codes = [proc.wait(timeout=max(1.0, deadline - time.time())) for proc in procs]
+            code: int | None = max(codes, key=abs)
         except subprocess.TimeoutExpired:  # not back at a step since the deadline (a restart that does not come back)
             code, stopped = None, True
     finally:
-        _stop(proc)
+        _stop(procs)
     wall = time.time() - started
     rows = _steps(work)
     failures = _failures(rows, kills, work)
     result = {
         "variant": variant,
+        "hosts": args.hosts if rig is not None else 1,
+        "world_size": world_size,
         "exit_code": code,
         "stopped_by_soak": stopped,
         "kills": len(kills),
@@ -248,7 +302,7 @@ def soak(variant: str, args: Any, started: float | None = None) -> dict[str, Any
     return result
 
 
-def soak_together(variants: list[str], args: Any) -> list[dict[str, Any]]:
+def soak_together(variants: list[str], args: Any, rig: Any = None) -> list[dict[str, Any]]:
     """Every variant at once, from the same moment, its faults at the same moments: on a machine
     whose load others change, the only way their figures see the same machine (each has 2 ranks
     of its own; all share the cores)."""
@@ -256,7 +310,7 @@ def soak_together(variants: list[str], args: Any) -> list[dict[str, Any]]:
 
     started = time.time()
     with ThreadPoolExecutor(len(variants)) as pool:
-        return list(pool.map(lambda v: soak(v, args, started), variants))
+        return list(pool.map(lambda v: soak(v, args, started, rig), variants))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,16 +326,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--work-root", type=Path, default=None, help="where each variant's work directory goes (default: the system's temp dir)")
     parser.add_argument("--await-spare", action="store_true", help="each kill of a spare variant waits for a ready warm spare (the short test)")
+    parser.add_argument("--hosts", type=int, default=0, help="run over this many namespace hosts, 2 CPU ranks each (root, ip, sshd); 0: this machine")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
-    if args.together:
-        print(f"goodput: {', '.join(variants)} together for {args.duration:g}s, rank 1 of each SIGKILLed every {args.interval:g}s", flush=True)
-        results = soak_together(variants, args)
-    else:
-        results = []
-        for variant in variants:
-            print(f"goodput: {variant} for {args.duration:g}s, rank 1 SIGKILLed every {args.interval:g}s", flush=True)
-            results.append(soak(variant, args))
+    with contextlib.ExitStack() as stack:
+        rig = stack.enter_context(_rig(args.hosts)) if args.hosts else None
+        where = f"{args.hosts} namespace hosts x 2 ranks, a rank" if rig is not None else "2 ranks, rank 1"
+        if args.together:
+            print(f"goodput: {', '.join(variants)} together for {args.duration:g}s on {where} of each SIGKILLed every {args.interval:g}s", flush=True)
+            results = soak_together(variants, args, rig)
+        else:
+            results = []
+            for variant in variants:
+                print(f"goodput: {variant} for {args.duration:g}s on {where} SIGKILLed every {args.interval:g}s", flush=True)
+                results.append(soak(variant, args, rig=rig))
     for r in results:
         print(f"  {r['variant']}: goodput {r['goodput']:.3f} ({r['useful_s']}s of {r['wall_s']}s), {r['steps']} steps, {r['kills']} kills, "
               f"recovery {r['recovery_s_median']} s {r['recovery_s_range']}, steps lost {r['steps_lost_median']} {r['steps_lost_range']}", flush=True)  # fmt: skip
@@ -297,6 +355,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text)
     return 0
+
+
+@contextlib.contextmanager
+def _rig(hosts: int) -> Any:
+    """``hosts`` namespace hosts with sshd and a private run root each (``tests/cluster``'s rig),
+    every process and namespace removed at the end, by pid."""
+    sys.path.insert(0, str(REPO))  # run as a script: the rig is the tests' own
+    from tests.cluster.conftest import missing_tools, netns_rig, remove_stale_sets
+
+    reason = missing_tools()
+    if reason:
+        raise SystemExit(f"--hosts needs the namespace rig: {reason}")
+    remove_stale_sets()
+    scratch = Path(tempfile.mkdtemp(prefix="glb-goodput-", dir="/tmp"))
+    try:
+        with netns_rig(scratch / "rig", count=hosts, prefix=f"glg-{os.getpid()}") as rig:
+            yield rig
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

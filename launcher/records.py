@@ -109,8 +109,9 @@ class AttemptRecord:
 class Recovery:
     """One lost rank's story where the stage tried recovery in place (``launcher.runtime.inplace``):
     who died and when, when the survivors saw it, when every rank stepped again, the steps lost;
-    or, where it fell back to the restart path (``in_place`` false), why. Times are the host's
-    clock (one node)."""
+    or, where it fell back to the restart path (``in_place`` false), why. Times are the hosts'
+    clocks: over several hosts the death is seen by the lost rank's node and the rest by the rank
+    that sent the state, so ``detection_s`` and ``recovery_s`` carry the two clocks' offset."""
 
     attempt: int  # the group's start it happened in (0: the first)
     gen: int  # the group's generation it formed (1: the first recovery of that start)

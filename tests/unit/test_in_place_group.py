@@ -44,3 +44,26 @@ def test_the_left_group_is_kept_until_its_collectives_have_surely_ended(tmp_path
     time.sleep(2 * 0.2 + 0.05)
     live._stepped()
     assert live.retired == []
+
+
+def test_the_keepers_take_one_generation_at_a_time_through_the_stages_store() -> None:
+    """Two hosts' keepers (two clients of one real TCPStore): one recovery at a time in the
+    stage, each generation taken once, and a survivor on any host reads the word."""
+    from datetime import timedelta
+
+    from launcher.runtime.inplace import KeeperWord
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    first, second = (KeeperWord(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10)), 0) for _ in range(2))
+    assert first.begun() == 0
+    assert first.claim("h1:10") == 1
+    assert second.claim("h2:20") is None  # h1's recovery is under way: h2 leaves its loss to the restart path
+    second.release("h2:20")  # not its claim: changes nothing
+    assert second.claim("h2:20") is None
+    first.publish_death(1, {"ranks": [3], "pids": [123]})
+    assert second.death(1) == {"ranks": [3], "pids": [123]} and second.outcome(1) is None
+    second.settle(1, "recovered", {"gen": 1})
+    assert first.outcome(1) == {"gen": 1, "outcome": "recovered"}
+    first.release("h1:10")
+    assert second.claim("h2:20") == 2 and first.begun() == 2
+    assert KeeperWord(server, 1).begun() == 0  # another attempt's keys are its own
