@@ -187,8 +187,7 @@ class _Rank:
         for hook in step_hooks:
             recorder.add_step_hook(hook)
         self.recorder = recorder
-        # the job's own count; a DDP job that counts none (a torchrun script) is counted by its optimizer's steps
-        self.beacon.steps = lambda: recorder.steps or recorder.work_clock.optimizer_steps
+        self.beacon.steps = self._steps_done
         self.beacon.work_s = recorder.work_clock.recent
         self.beacon.work_spread = recorder.work_clock.spread
         if self.report.world_size > 1 and self.config.time_ddp:  # every DDP model the job builds reports its own work per step
@@ -329,7 +328,14 @@ class _Rank:
         )
 
     def _steps_done(self) -> int:
-        return self.recorder.steps if self.recorder else 0
+        """The rank's steps so far, as its beacon says them and a checkpoint is placed among them:
+        the job's own count; a DDP job that counts none (a torchrun script, a job that never calls
+        ``ctx.metrics.step()``) is counted by its optimizer's steps. (A checkpoint's place counted
+        only the job's own: such a job's restart said every step of the attempt lost.)"""
+        recorder = self.recorder
+        if recorder is None:
+            return 0
+        return recorder.steps or recorder.work_clock.optimizer_steps
 
     def _saved(self, step: int, at: int) -> None:
         """A checkpoint published: ``at`` is the rank's step count when the job saved it (a

@@ -41,6 +41,27 @@ def job(ctx: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # no handler, no report, no last beacon
 
 
+def ddp_job(ctx: Any) -> None:
+    """A DDP job that counts no step of its own (no ``ctx.metrics.step()``: its optimizer's steps
+    are its count) and saves through ``ctx.checkpoint`` after ``save_at``; every rank SIGKILLs
+    itself right after step ``stop_at``."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    stop_at, save_at = int(ctx.param("stop_at")), int(ctx.param("save_at"))
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, 10**9):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        print(f"exact-steps: rank {ctx.rank} step {step}", flush=True)
+        if step == save_at:
+            ctx.checkpoint.save({"model": model.module.state_dict()}, step=step)
+        if step == stop_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 _SCRIPT = """\
 import os, signal
 import torch
@@ -133,3 +154,17 @@ def test_a_script_counted_by_its_ddp_optimizer_is_counted_exactly(tmp_path, laun
     (attempt,) = result["stages"][0]["attempts"]
     assert (attempt["steps"], attempt["checkpoint_step"], attempt["lost_steps"]) == (STOP_AT, None, STOP_AT), attempt
     assert [r["metrics"]["steps"] for r in result["ranks"]] == [STOP_AT, STOP_AT], result["ranks"]
+
+
+def test_a_job_counted_by_its_ddp_optimizer_loses_only_the_steps_after_its_checkpoint(tmp_path, launched):
+    """Its checkpoint is placed among the steps its beacon counts (once, the save counted only
+    ``ctx.metrics.step()`` calls: 0, so a restart said every step of the attempt lost)."""
+    spec = write_spec(
+        tmp_path, name="exact_steps_ddp", entrypoint="tests.integration.test_exact_steps:ddp_job", max_restarts=0,
+        params={"stop_at": STOP_AT, "save_at": SAVE_AT},
+    )  # fmt: skip
+    out = tmp_path / "runs"
+    result, printed = _finished(launched(spec, out), out)
+    assert printed == {0: STOP_AT, 1: STOP_AT}
+    (attempt,) = result["stages"][0]["attempts"]
+    assert (attempt["steps"], attempt["checkpoint_step"], attempt["lost_steps"]) == (STOP_AT, SAVE_AT, STOP_AT - SAVE_AT), attempt
