@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -255,27 +256,46 @@ class GroupSeam:
 
 
 class Retired:
-    """A left generation's process group, kept alive until its gloo workers are surely idle.
+    """A left generation's process group and DDP model, kept until their release is harmless.
 
-    Freeing a gloo group joins its worker threads under the GIL (``~ProcessGroupGloo`` waits on
-    the group's work mutex), while a worker that finishes a collective frees it holding that
-    mutex, and freeing it takes the GIL (the work keeps the thread-local state it was queued
-    with, and torch's backward puts a Python object there: its ``contextvars`` context): if the
-    rank's last reference to the group goes while a collective is still queued or finishing, both
-    threads wait for ever (seen in the goodput soak, 3 faults of 153, with py-spy --native;
-    pytorch#179291 is of this kind). That is just after a peer's death, when the broken step's
-    collectives are failing one by one. So a survivor never drops the group it leaves there: it
-    shuts its sockets down (``shut_down``: every collective of it fails at once, here and at the
-    peers, which a collective waiting on another survivor, not on the dead rank, needs: gloo has
-    no abort) and keeps the group here (its DDP model, the other holder, may go at any time, even
-    in a garbage collection), then drops it at a step ``RETIRE_S`` later, its workers long idle.
-    Where its sockets could not be shut (no ``/proc``), it waits two collective timeouts instead,
-    by which its collectives have ended anyway. A rank ending before then leaves them to
-    ``os._exit`` (torch's process start), which runs no destructor."""
+    A gloo group is freed by joining its worker threads, which wait for the collective each is
+    in. Freed at the leave, that deadlocked: the old DDP model's reducer held the last reference
+    and freed it holding the GIL, while a worker finishing a broken collective waited for the GIL
+    to free it (the work keeps the thread-local state it was queued with, and torch's backward
+    puts a Python object there, its ``contextvars`` context; 3 faults of 153 in the goodput soak,
+    py-spy --native; pytorch#179291 is of this kind). Freed at a step later, from the main thread,
+    the join waited for ever on a worker still blocked in a collective (1 fault in 9 over four
+    hosts, the cause of that block not found). So a survivor that leaves a group shuts its sockets
+    down (``shut_down``: every collective of it fails at once, here and at the peers, which a
+    collective waiting on another survivor, not on the dead rank, needs: gloo has no abort), keeps
+    the group and the model here, and ``RETIRE_S`` later lets them go on a thread of their own:
+    the model first (a garbage collection there frees it even from a reference cycle, the group
+    still held), then the group, which torch frees without the GIL. Should a worker never end,
+    only that thread waits, and ``os._exit`` (torch's process start runs no destructor) ends it
+    with the rank. Where the sockets could not be shut (no ``/proc``), two collective timeouts
+    pass first."""
 
-    def __init__(self, group: Any, release_at: float) -> None:
+    def __init__(self, group: Any, model: Any, release_at: float) -> None:
         self.group = group
+        self.model = model
         self.release_at = release_at  # time.monotonic()
+
+
+def release(retired: list[Retired]) -> threading.Thread:
+    """Let ``retired`` go on a daemon thread (``Retired``); returns it."""
+
+    def drop() -> None:
+        import gc
+
+        for item in retired:
+            item.model = None
+        gc.collect()
+        for item in retired:
+            item.group = None
+
+    thread = threading.Thread(target=drop, name="gpulaunch-retire", daemon=True)
+    thread.start()
+    return thread
 
 
 class InPlace:
@@ -398,18 +418,20 @@ class InPlace:
         if callable(remove):
             remove()
         if dist.is_initialized():
-            # held before the old model goes: its reducer's reference may otherwise be the last
             group = dist.distributed_c10d._get_default_group()
             wait_s = RETIRE_S if shut else 2 * self.seam.collective_timeout_s
-            self.retired.append(Retired(group, time.monotonic() + wait_s))
+            self.retired.append(Retired(group, old, time.monotonic() + wait_s))
             dist.destroy_process_group()  # out of torch's tables; the group lives on in self.retired
         del old
 
-    def _release_retired(self) -> None:
-        """Drop the left groups whose collectives have all ended (``Retired``)."""
+    def _release_retired(self) -> threading.Thread | None:
+        """Let the left groups whose time has come go (``Retired``), off this thread."""
         now = time.monotonic()
-        while self.retired and self.retired[0].release_at <= now:
-            self.retired.pop(0)
+        due = [item for item in self.retired if item.release_at <= now]
+        if not due:
+            return None
+        self.retired = [item for item in self.retired if item.release_at > now]
+        return release(due)
 
     def _rewrap(self) -> None:
         for callback in self.seam.on_regroup:

@@ -36,14 +36,16 @@ def test_the_left_group_is_kept_until_its_collectives_have_surely_ended(tmp_path
     live._leave_group()
 
     assert not dist.is_initialized() and live.model is None
-    assert [r.group for r in live.retired] == [group]
+    (kept,) = live.retired
+    assert kept.group is group and isinstance(kept.model, torch.nn.parallel.DistributedDataParallel)
     work = group.allreduce([torch.ones(2)])  # still a working group: its threads and sockets live
     assert work.wait() and work.result()[0].tolist() == [1.0, 1.0]
-    live._stepped()
-    assert live.retired, "dropped before two collective timeouts had passed"
+    assert live._release_retired() is None and live.retired, "let go before two collective timeouts had passed"
     time.sleep(2 * 0.2 + 0.05)
-    live._stepped()
-    assert live.retired == []
+    dropping = live._release_retired()  # off the rank's thread: a worker that never ends blocks only it
+    assert dropping is not None and dropping.name == "gpulaunch-retire" and live.retired == []
+    dropping.join(30)  # a hang guard: an idle group's workers end at once
+    assert not dropping.is_alive() and kept.group is None and kept.model is None
 
 
 def test_the_keepers_take_one_generation_at_a_time_through_the_stages_store() -> None:
