@@ -93,9 +93,11 @@ def _start(variant: str, work: Path, end_at: float, args: Any, rig: Any = None) 
         hosts = rig.hosts[: args.hosts]
         # the dynamic (c10d) rendezvous: a failure restarts every node's ranks in a new round
         rendezvous = [f"--nnodes={len(hosts)}", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0].address}:29400", f"--rdzv-id=goodput-{work.name}"]
-        # is_host: the namespace hosts share this machine's name, so torch cannot tell which one serves the rendezvous
+        # the namespace hosts share this machine's name: each says which one serves the rendezvous
+        # (is_host) and which address its ranks are found at (--local-addr), not the name
         return [
-            _popen(rig.ns_cmd(*torchrun, *rendezvous, f"--rdzv-conf=is_host={int(i == 0)}", *job, ns=host.ns), log, {"GLOO_SOCKET_IFNAME": "eth0"})
+            _popen(rig.ns_cmd(*torchrun, *rendezvous, f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={host.address}", *job, ns=host.ns), log,
+                   {"GLOO_SOCKET_IFNAME": "eth0"})  # fmt: skip
             for i, host in enumerate(hosts)
         ]
     spec = {
