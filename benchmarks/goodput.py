@@ -27,10 +27,7 @@ done again after it).
 
 ``--await-spare`` makes each kill of a spare variant also wait for a ready warm spare, and
 ``--work-root`` puts the variants' work directories (kept: logs, runs, checkpoints) somewhere
-else (for a short test; the one written fell back to the restart path now and then and was taken
-out: a kill during the first save after a recovery, fixed; and a survivor stuck at the line where
-it leaves the old group, about once in 25 runs of 45 s, the native cause not found yet: the
-fallback record's ``stuck`` lines say where each rank was).
+else (for the short test, ``tests/benchmarks/test_goodput_smoke.py``).
 
 ``--hosts N`` runs each variant over N namespace hosts (``tests/cluster``'s rig: sshd and a
 private run root each; root, ``ip`` and ``sshd`` needed), 2 CPU ranks per host: ``bare`` is a
@@ -230,7 +227,7 @@ def _failures(rows: list[tuple[int, float, float, int]], kills: list[dict[str, A
         before = [step for step, _, t1, _ in rows if t1 <= at]
         after = [(t1, step) for step, t0, t1, _ in rows if t0 > at]
         first_after = min(after) if after else None
-        entry: dict[str, Any] = {"killed_pid": kill["pid"], "rank": kill.get("rank", 1), "at": round(at, 3)}
+        entry: dict[str, Any] = {"killed_pid": kill["pid"], "rank": kill["rank"], "at": round(at, 3)}
         entry["recovery_s"] = round(first_after[0] - at, 3) if first_after else None
         entry["steps_lost"] = max(0, (max(before) + 1 if before else 0) - first_after[1]) if first_after else None
         # the recovery of this kill: its rank, the first one whose death is not before the kill

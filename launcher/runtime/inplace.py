@@ -422,7 +422,6 @@ class InPlace:
             wait_s = RETIRE_S if shut else 2 * self.seam.collective_timeout_s
             self.retired.append(Retired(group, old, time.monotonic() + wait_s))
             dist.destroy_process_group()  # out of torch's tables; the group lives on in self.retired
-        del old
 
     def _release_retired(self) -> threading.Thread | None:
         """Let the left groups whose time has come go (``Retired``), off this thread."""

@@ -227,7 +227,7 @@ class _Rank:
         self.set_agent_store = True
 
     def join_group(self, device: Any) -> None:
-        from launcher.runtime.inplace import arrived_key, group_prefix, joining_gen, opened_between, socket_fds
+        from launcher.runtime.inplace import arrived_key, group_prefix, joining_gen
 
         self.beacon.set_phase("rendezvous")
         joined = _rendezvous(self.dist, self.config)
@@ -238,9 +238,7 @@ class _Rank:
         gen = joining_gen(self.env)  # a replacement in place joins its survivors' new generation of the group
         if gen:
             self.store.set(arrived_key(self._restart, gen, joined[1]), "1")
-        before = socket_fds()
-        _init_group(self.dist, self.config, device, *joined, prefix=group_prefix(self._restart, gen))
-        self.group_sockets = opened_between(before, socket_fds())  # shut down if the group is left in place
+        self.group_sockets = _init_group(self.dist, self.config, device, *joined, prefix=group_prefix(self._restart, gen))
         # Every rank past init before any goes on: a rank whose job ends at once would otherwise
         # destroy its group while a peer the machine has not scheduled yet is still connecting
         # (gloo's connectFullMesh then fails with "Connection closed by peer").
@@ -263,11 +261,9 @@ class _Rank:
         r = self.report
 
         def form(gen: int) -> None:
-            from launcher.runtime.inplace import group_prefix, opened_between, socket_fds
+            from launcher.runtime.inplace import group_prefix
 
-            before = socket_fds()
-            _init_group(self.dist, self.config, device, self.store, r.rank, r.world_size, prefix=group_prefix(self._restart, gen))
-            self.group_sockets = opened_between(before, socket_fds())
+            self.group_sockets = _init_group(self.dist, self.config, device, self.store, r.rank, r.world_size, prefix=group_prefix(self._restart, gen))
 
         timeout_s = self.config.collective_timeout_s or _default_collective_timeout(self.config.pg_backend).total_seconds()
         checkpoint.seam = GroupSeam(
@@ -497,12 +493,15 @@ def _rendezvous(dist: Any, config: WorkerConfig) -> tuple[Any, int, int]:
     return store, rank, world_size
 
 
-def _init_group(dist: Any, config: WorkerConfig, device: Any, store: Any, rank: int, world_size: int, prefix: str = "default_pg") -> None:
+def _init_group(dist: Any, config: WorkerConfig, device: Any, store: Any, rank: int, world_size: int, prefix: str = "default_pg") -> dict[int, str]:
     """Build the process group on the rendezvous' store, every collective bounded by
     ``timeouts.collective_s`` (torch's default for the backend if unset). The store keeps that
     timeout too: NCCL exchanges the ids of communicators it creates later there. ``prefix``: the
-    group's keys in the store (another for each generation of a group re-formed in place)."""
+    group's keys in the store (another for each generation of a group re-formed in place).
+    Returns the sockets the group opened (recovery in place shuts them down when it leaves it)."""
     from datetime import timedelta
+
+    from launcher.runtime.inplace import opened_between, socket_fds
 
     kwargs: dict[str, Any] = {
         "backend": config.pg_backend,
@@ -517,8 +516,10 @@ def _init_group(dist: Any, config: WorkerConfig, device: Any, store: Any, rank: 
         # eager NCCL init: a bad GPU fails here, not at the first collective (gloo over CUDA
         # tensors, where ranks share a GPU, binds no device: its collectives stage through the host)
         kwargs["device_id"] = device
+    before = socket_fds()
     dist.init_process_group(**kwargs)
     store.set_timeout(kwargs.get("timeout") or _default_collective_timeout(config.pg_backend))
+    return opened_between(before, socket_fds())
 
 
 def _wait_for_every_rank(
