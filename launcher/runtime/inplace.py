@@ -145,14 +145,22 @@ class KeeperWord:
         """How many generations were begun (the group's current one, where all recovered)."""
         return int(self.store.add(self._key("gen"), 0))
 
+    def _publish(self, name: str, value: Mapping[str, Any]) -> None:
+        """``value`` under ``name``, at the store once this returns: a client's ``set`` is sent
+        without an answer, so another client could still miss it; the ``check`` after it, on the
+        same connection, is answered only once the store has applied the ``set``."""
+        key = self._key(name)
+        self.store.set(key, json.dumps(dict(value)))
+        self.store.check([key])
+
     def publish_death(self, gen: int, death: Mapping[str, Any]) -> None:
-        self.store.set(self._key(f"gen{gen}/death"), json.dumps(dict(death)))
+        self._publish(f"gen{gen}/death", death)
 
     def death(self, gen: int) -> dict[str, Any] | None:
         return self._read(f"gen{gen}/death")
 
     def settle(self, gen: int, kind: str, record: Mapping[str, Any]) -> None:
-        self.store.set(self._key(f"gen{gen}/outcome"), json.dumps({**record, "outcome": kind}))
+        self._publish(f"gen{gen}/outcome", {**record, "outcome": kind})
 
     def outcome(self, gen: int) -> dict[str, Any] | None:
         return self._read(f"gen{gen}/outcome")
