@@ -126,7 +126,8 @@ class Recovery:
     steps_lost: int | None = None  # steps done before the death that were done again
     why: str = ""  # a fallback's reason
     # what took each dead rank's place: "warm spare" (its prepare done ahead), "warm spare
-    # (preparing)" (sent before its prepare returned), "forked" (from the rank server at the loss)
+    # (preparing)" (sent before its prepare returned), "forked" (from the rank server at the loss),
+    # "new actor" (Ray: the driver started one), "spare host <name>" (a lost host's ranks, on that host)
     replacements: tuple[str, ...] = ()
     # a recovery that timed out: where each rank of the node was then ("rank 1 (pid 123) at train.py:40 ...")
     stuck: tuple[str, ...] = ()

@@ -41,11 +41,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from launcher.errors import BackendError, LauncherError, PlanError
 from launcher.evidence import RankEvidence
 from launcher.procutil import cmdline, descendants, kill_now, pid_alive, process_start_ticks, wait_gone
-from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, STOP_NOTICE_SIGNAL, RankProgress, RankReport
+from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, STOP_NOTICE_SIGNAL, RankProgress, RankReport, StagePaths
 from launcher.records import RankExit
 from launcher.hardware.devices import GpuInfo, NodeInventory
 from launcher.backends.ray_sink import RelaySink, Taken
+from launcher.backends.ray_inplace import RayKeeper
 from launcher.runtime.hangdump import gather_as_dicts
+from launcher.runtime.inplace import ENV_GEN, ENV_KEEPER, KEEPER_LAUNCHER
+from launcher.runtime.stepcount import counter_path, read_steps
 from launcher.runtime.ray_actor import NodeRelay, RankActor
 from launcher.spec.model import RaySettings
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
@@ -386,6 +389,9 @@ class RayStage(StageHandle):
         self._failure = ""
         self._next_drain_check = 0.0
         self._noticed_drain = False
+        self._run_args: dict[int, tuple[str, dict[str, str], bool]] = {}  # rank -> its run call's arguments (a replacement's too)
+        self._keeper: RayKeeper | None = None  # recovery in place of a lost actor (``launcher.backends.ray_inplace``)
+        self._replacement_probes: dict[int, Any] = {}  # rank -> its replacement actor's probe (its pid, for the stop)
 
     def start(self) -> None:
         if not ray.is_initialized():
@@ -395,26 +401,40 @@ class RayStage(StageHandle):
         strategy = _settings(self.plan).placement.upper()
         self._pg = placement_group([dict(bundle) for _ in self.plan.ranks], strategy=strategy, name=f"{self.plan.job}-world{self.plan.world_size}")
         self._deadline = time.monotonic() + self.plan.worker.rendezvous_timeout_s
-        remote_cls = ray.remote(RankActor)
-        namespace = ray.get_runtime_context().namespace
         for r in self.plan.ranks:
             name = f"{self.plan.job}-rank{r.rank}"
             try:
-                actor: Any = remote_cls.options(
-                    name=name,
-                    namespace=namespace,
-                    num_cpus=bundle["CPU"],
-                    num_gpus=bundle.get("GPU", 0),
-                    max_concurrency=4,
-                    max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r.rank),
-                ).remote(self.plan.job, r.rank)
+                actor = self._new_actor(name, r.rank)
             except ValueError as exc:
                 self.stop()
+                namespace = ray.get_runtime_context().namespace
                 raise BackendError(f"cannot create actor {name} in namespace {namespace}: {exc} (another run of this job?)") from None
             self._actors.append(actor)
             self._probe_refs[actor.probe.remote(r.rank == 0)] = r.rank
         self._state = "scheduling"
+
+    def _new_actor(self, name: str, rank: int) -> Any:
+        """Rank ``rank``'s actor, in its bundle of the stage's placement group (its node, its reservation)."""
+        bundle = _bundle(self.plan.device_type, self.plan.worker.ranks_per_gpu)
+        return ray.remote(RankActor).options(
+            name=name,
+            namespace=ray.get_runtime_context().namespace,
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            max_concurrency=4,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+        ).remote(self.plan.job, rank)
+
+    def _respawn(self, rank: int, gen: int) -> Any:
+        """A new actor in lost rank ``rank``'s place, its run started to join generation ``gen`` of the group."""
+        actor = self._new_actor(f"{self.plan.job}-rank{rank}-gen{gen}", rank)
+        config_json, env, same_node = self._run_args[rank]
+        self._actors[rank] = actor
+        self._runs[actor.run.remote(config_json, {**env, ENV_GEN: str(gen)}, same_node)] = rank
+        self._drains[actor.drain.remote(DRAIN_WAIT_S)] = rank  # its node's relay counts the lost one gone
+        self._replacement_probes[rank] = actor.probe.remote(False)
+        return actor
 
     # poll ---------------------------------------------------------------------------------------
     def poll(self) -> HandleStatus:
@@ -467,12 +487,17 @@ class RayStage(StageHandle):
         placements = [self._placement(rank, probe, node_cpus) for rank, probe in sorted(self._probes.items())]
         placed = self.plan = place_ranks(self.plan, placements)  # the run loop reads hosts and devices from here
         local_node = ray.get_runtime_context().get_node_id()
+        keeps = placed.world_size > 1  # a lost actor replaced in place, where the job opted in (``ray_inplace``)
         for slot, actor in zip(placed.ranks, self._actors):
-            env = {**placed.rank_env(slot), **TORCHRUN_SCRIPT_ENV}
-            config_json = placed.worker_for(placed.nodes[slot.node_rank]).to_json()
+            env = {**placed.rank_env(slot), **TORCHRUN_SCRIPT_ENV, **({ENV_KEEPER: KEEPER_LAUNCHER} if keeps else {})}
+            worker = placed.worker_for(placed.nodes[slot.node_rank])
             same_node = self._probes[slot.rank]["node_id"] == local_node
-            self._runs[actor.run.remote(config_json, env, same_node)] = slot.rank
+            self._run_args[slot.rank] = (worker.to_json(), env, same_node)
+            self._runs[actor.run.remote(*self._run_args[slot.rank])] = slot.rank
             self._node_ranks.setdefault(self._probes[slot.rank]["node_id"], []).append(slot.rank)
+        if keeps:
+            route = lambda line: self.logs.route(line, self._host(0))  # noqa: E731
+            self._keeper = RayKeeper(attempt=worker.attempt, world_size=placed.world_size, stage_dir=self.plan.stage_dir, respawn=self._respawn, log=route)
         self._start_channel()
         self._state = "running"
 
@@ -544,6 +569,8 @@ class RayStage(StageHandle):
             try:
                 self._reports[rank] = RankReport.from_dict(ray.get(ref))
             except RayActorError as exc:
+                if self._keeper is not None and self._keeper.take(rank, self._actors, str(exc), self._steps_at_death(rank)):
+                    continue  # a new actor takes its place; the survivors wait for it (``ray_inplace``)
                 self._died_of(rank, str(exc))
                 self._fail(f"actor {self.plan.job}-rank{rank} died: {_first_line(exc)}")
             except RayTaskError as exc:  # run_rank never raises for job errors: a launcher bug
@@ -555,6 +582,20 @@ class RayStage(StageHandle):
             self._state = "failed"
             bad = sorted(k for k, r in self._reports.items() if not r.ok)
             self._failure = f"rank(s) {bad} failed"
+        if self._keeper is not None:
+            if self._state == "failed" and self._keeper.recovery is not None:
+                self._keeper.give_up(self._actors, "another rank ended during the recovery")
+            given_up = self._keeper.poll(self._actors)
+            if given_up is not None:
+                rank, why = given_up
+                self._died_of(rank, why)
+                self._fail(f"actor {self.plan.job}-rank{rank} died: {why}")
+
+    def _steps_at_death(self, rank: int) -> int | None:
+        """A lost rank's exact step count, where its files are on this node (else unknown)."""
+        if not self._run_args[rank][2]:
+            return None
+        return read_steps(counter_path(StagePaths(Path(self._stage_dirs.get(rank, self.plan.stage_dir))), rank))
 
     def _poll_serves(self) -> None:
         """A relay's serve call that ended: it could not reach the sink (its answers over Ray's
@@ -725,6 +766,7 @@ class RayStage(StageHandle):
             self._sink = None
         local = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         pids = [p["pid"] for p in self._probes.values() if p["node_id"] == local]
+        pids += [p["pid"] for p in self._replacements_probed() if p["node_id"] == local]
         for actor in (*self._actors, *self._relays.values()):
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
@@ -734,6 +776,16 @@ class RayStage(StageHandle):
         self._wait_names_free(grace_s * 2)
         wait_gone([p for p in pids if pid_alive(p)], grace_s)
         self._state = "stopped"
+
+    def _replacements_probed(self) -> list[dict[str, Any]]:
+        """What the replacement actors that answered their probe said (their pids, their nodes)."""
+        refs = list(self._replacement_probes.values())
+        ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs and ray.is_initialized() else []
+        found = []
+        for ref in ready:
+            with contextlib.suppress(RayError):
+                found.append(ray.get(ref))
+        return found
 
     def _wait_names_free(self, timeout_s: float) -> None:
         """Actor names are reused by the next stage or restart: wait until Ray has released them."""

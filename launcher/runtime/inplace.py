@@ -44,7 +44,8 @@ from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import PEER_LOSS
 
 ENV_GEN = "GPULAUNCH_IN_PLACE_GEN"  # set by the keeper in a replacement rank: the generation it joins
-ENV_KEEPER = "GPULAUNCH_IN_PLACE_KEEPER"  # set by a torchrun agent that keeps its ranks (every node of a fixed world): "1"
+ENV_KEEPER = "GPULAUNCH_IN_PLACE_KEEPER"  # who replaces a lost rank: "1", the node's torchrun agent (every node of a fixed world); KEEPER_LAUNCHER
+KEEPER_LAUNCHER = "launcher"  # ENV_KEEPER's value where the launcher itself replaces a lost rank (Ray's driver: a new actor)
 FOLDER = "in_place"  # under the stage directory: the keeper's and the ranks' files
 _RECORD_NAME = re.compile(r"gen\d+(\.fallback)?\.json")
 POLL_S = 0.005  # how often a survivor looks for the keeper's word (a key or two of the stage's store): ``poll_s``
@@ -140,6 +141,15 @@ class KeeperWord:
 
     def release(self, token: str) -> None:
         self.store.compare_set(self._key("busy"), token, "")
+
+    def arm(self, rank: int, record: Mapping[str, Any]) -> None:
+        """Rank ``rank`` opted in (its pid, ``wait_s``, the generation it joined): for a keeper
+        that reads no node's files (the launcher, for a lost host; Ray's driver, through a
+        survivor: ``launcher.runtime.store_keeper``)."""
+        self._publish(f"armed/{rank}", record)
+
+    def armed(self, rank: int) -> dict[str, Any] | None:
+        return self._read(f"armed/{rank}")
 
     def begun(self) -> int:
         """How many generations were begun (the group's current one, where all recovered)."""
@@ -273,9 +283,10 @@ class Retired:
     puts a Python object there, its ``contextvars`` context; 3 faults of 153 in the goodput soak,
     py-spy --native; pytorch#179291 is of this kind). Freed at a step later, from the main thread,
     the join waited for ever on a worker still blocked in a collective (1 fault in 9 over four
-    hosts, the cause of that block not found). So a survivor that leaves a group shuts its sockets
-    down (``shut_down``: every collective of it fails at once, here and at the peers, which a
-    collective waiting on another survivor, not on the dead rank, needs: gloo has no abort), keeps
+    hosts, the cause of that block not found). So a survivor that finds its group broken shuts its
+    sockets down at once (``shut_down``: every collective of it fails at once, here and at the
+    peers, which a collective waiting on another survivor, not on the dead rank, needs: gloo has
+    no abort; done only at the leave, a survivor two hosts away heard of a lost host 4 s late), keeps
     the group and the model here, and ``RETIRE_S`` later lets them go on a thread of their own:
     the model first (a garbage collection there frees it even from a reference cycle, the group
     still held), then the group, which torch frees without the GIL. Should a worker never end,
@@ -324,6 +335,7 @@ class InPlace:
         self._commits = 0
         self._pending: dict[str, Any] | None = None  # a recovery whose first step is not done yet
         self.retired: list[Retired] = []  # the groups this rank left, oldest first
+        self._shut = 0  # the broken group's sockets shut down when the loss was detected
         optimizer.register_step_post_hook(self._committed)
         if gen:
             self._receive(gen)
@@ -357,6 +369,10 @@ class InPlace:
     # --- a survivor ---------------------------------------------------------------------------
     def _recover(self, exc: RuntimeError) -> None:
         detected = time.time()
+        # The group is broken for good (recovered or not, nobody uses it again): its connections
+        # shut down now, so that a survivor blocked on this one (not on the dead rank: a ring's
+        # neighbour, another host) hears it at once, not once this rank leaves after the arrivals.
+        self._shut = shut_down(self.seam.sockets())
         gen = self.gen + 1
         death = self._await_death(gen)
         if death is None:
@@ -420,7 +436,7 @@ class InPlace:
     def _leave_group(self) -> None:
         import torch.distributed as dist
 
-        shut = shut_down(self.seam.sockets())  # first: a peer still blocked in the old group hears it now
+        shut = self._shut + shut_down(self.seam.sockets())  # shut at the detection; any opened since, now
         old, self.model = self.model, None
         remove = getattr(old, "_remove_autograd_hooks", None)  # the old reducer's hooks would fire on the next backward
         if callable(remove):
@@ -498,7 +514,10 @@ class InPlace:
         reads the file: none is written."""
         if self.seam.store is None or not _recoverable(self.raw):
             return
-        write_json_atomic(armed_path(self.seam.root, self.rank), {"pid": os.getpid(), "wait_s": self.wait_s, "gen": self.gen}, durable=False)
+        armed = {"pid": os.getpid(), "wait_s": self.wait_s, "gen": self.gen}
+        write_json_atomic(armed_path(self.seam.root, self.rank), armed, durable=False)
+        if self.seam.word is not None:  # for a keeper that reads no node's files: the launcher (a lost host, a lost Ray actor)
+            self.seam.word.arm(self.rank, armed)
 
 
 def _recoverable(model: Any) -> bool:

@@ -190,6 +190,13 @@ class RankActor:
             return
         os.kill(os.getpid(), signum)
 
+    def keeper(self, operation: str, kwargs: dict[str, Any]) -> Any:
+        """One of the keeper's moves on the stage's store, made from this (surviving) rank's
+        process for the driver, which replaces a lost actor (``launcher.runtime.store_keeper``)."""
+        from launcher.runtime.store_keeper import OPERATIONS
+
+        return OPERATIONS[operation](**kwargs)
+
     def run(self, config_json: str, env: dict[str, str], same_node: bool) -> dict[str, Any]:
         """Run the rank; its report as plain data (what crosses Ray's object store)."""
         from launcher.runtime.worker import run_rank

@@ -251,12 +251,13 @@ class _Rank:
         return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
     def _seam(self, checkpoint: Any, notice: Any, device: Any) -> None:
-        """Recovery in place where the node's agent keeps its ranks (``launcher.runtime.keeper``):
+        """Recovery in place where a keeper replaces a lost rank: the node's agent
+        (``launcher.runtime.keeper``) or the launcher (Ray's driver: ``KEEPER_LAUNCHER``);
         ``ctx.checkpoint.in_place`` re-forms the group through this rank's own set-up."""
-        from launcher.runtime.inplace import ENV_KEEPER, GroupSeam, joining_gen
+        from launcher.runtime.inplace import ENV_KEEPER, KEEPER_LAUNCHER, GroupSeam, joining_gen
 
         checkpoint.metrics = self.recorder
-        if os.environ.get(ENV_KEEPER) != "1" or self.store is None:
+        if os.environ.get(ENV_KEEPER) not in ("1", KEEPER_LAUNCHER) or self.store is None:
             return
         r = self.report
 

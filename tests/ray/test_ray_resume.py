@@ -87,11 +87,34 @@ def uninterrupted(ray_head: RayHead, tmp_path_factory: pytest.TempPathFactory) -
     yield run
 
 
+def test_an_actor_killed_mid_run_is_replaced_in_place_and_ends_with_the_same_model(
+    ray_driver: RayHead, tmp_path: Path, uninterrupted: Run
+) -> None:
+    """``ddp_train`` opts in to recovery in place: the driver starts a new actor for the lost
+    rank, rank 0 keeps its process and sends it the state from memory, no restart."""
+    baseline = descendants(os.getpid())
+    run = _run(tmp_path, "params.kill_rank=1", "params.kill_at=10", f"params.marker={tmp_path / 'killed'}")
+    assert run.exit_code == 0 and run.result["status"] == "succeeded", run.result.get("failure")
+    assert (tmp_path / "killed").is_file()  # the fault happened
+    stage = run.result["stages"][0]
+    assert run.result["restarts"] == 0 and len(stage["attempts"]) == 1, stage["attempts"]  # no restart of the group
+    (recovery,) = stage["recoveries"]
+    assert recovery["path"] == "in_place" and recovery["dead_ranks"] == [1], recovery
+    assert recovery["resumed_step"] == 10 and recovery["steps_lost"] == 0 and recovery["state_bytes"] > 0, recovery
+    assert recovery["replacements"] == ["new actor"], recovery
+    ranks = {r["rank"]: r for r in run.result["ranks"]}
+    assert ranks[0]["result"]["start_step"] == 0 and ranks[1]["result"]["start_step"] == 10, ranks  # rank 0 kept its process
+    assert all(r["result"]["steps"] == 24 for r in run.result["ranks"])
+    assert run.shas() == uninterrupted.shas()  # bit for bit
+    _left_nothing(ray_driver, run, baseline)
+
+
 def test_an_actor_killed_mid_run_is_restarted_from_the_last_checkpoint_and_ends_with_the_same_model(
     ray_driver: RayHead, tmp_path: Path, uninterrupted: Run
 ) -> None:
+    """The restart path, for a job that keeps it (``params.in_place=false``)."""
     baseline = descendants(os.getpid())
-    run = _run(tmp_path, "params.kill_rank=1", "params.kill_at=10", f"params.marker={tmp_path / 'killed'}")
+    run = _run(tmp_path, "params.kill_rank=1", "params.kill_at=10", f"params.marker={tmp_path / 'killed'}", "params.in_place=false")
     assert run.exit_code == 0 and run.result["status"] == "succeeded", run.result.get("failure")
     assert (tmp_path / "killed").is_file()  # the first attempt did lose rank 1's actor
     assert run.result["restarts"] == 1

@@ -69,3 +69,37 @@ def test_the_keepers_take_one_generation_at_a_time_through_the_stages_store() ->
     first.release("h1:10")
     assert second.claim("h2:20") == 2 and first.begun() == 2
     assert KeeperWord(server, 1).begun() == 0  # another attempt's keys are its own
+
+
+def test_the_ray_drivers_keeper_replaces_only_the_process_that_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``store_keeper`` (the moves Ray's driver makes through rank 0's actor) on a real TCPStore:
+    a rank whose current process never armed (or an older process of it armed) is declined,
+    which the survivors read as no replacement coming; an armed one gets the next generation,
+    its death published for the survivors, and the recovery's outcome and release go through."""
+    from datetime import timedelta
+
+    from launcher.runtime import store_keeper
+    from launcher.runtime.inplace import KeeperWord
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setattr(store_keeper, "_words", {})
+    survivor = KeeperWord(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10)), 3)
+
+    declined = KeeperWord(survivor.store, 4)  # an attempt whose loss is declined (the restart path has it from then on)
+    assert store_keeper.claim(4, rank=1, joined=0, seen_at=1.0, token="driver") == {"declined": "rank 1 ended, not opted in"}
+    assert (declined.outcome(1) or {}).get("outcome") == "declined"  # the survivors stop waiting
+    KeeperWord(survivor.store, 5).arm(2, {"pid": 4242, "wait_s": 7.0, "gen": 0})
+    # rank 2's process of the first start armed; its replacement (generation 1) died before it did
+    assert "declined" in store_keeper.claim(5, rank=2, joined=1, seen_at=1.0, token="driver")
+    survivor.arm(2, {"pid": 4242, "wait_s": 7.0, "gen": 0})
+    answer = store_keeper.claim(3, rank=2, joined=0, seen_at=1.0, token="driver", steps_at_death=12)
+    assert answer["gen"] == 1 and answer["wait_s"] == 7.0, answer
+    death = survivor.death(1)
+    assert death is not None and death["ranks"] == [2] and death["pids"] == [4242] and death["steps_at_death"] == 12, death
+    assert survivor.claim("a-host-keeper") is None  # one recovery at a time in the stage
+    survivor.settle(1, "recovered", {"gen": 1})
+    assert store_keeper.outcome(3, 1) == {"gen": 1, "outcome": "recovered"}
+    store_keeper.release(3, "driver")
+    assert survivor.claim("a-host-keeper") == 2
