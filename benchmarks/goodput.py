@@ -34,7 +34,12 @@ private run root each; root, ``ip`` and ``sshd`` needed), 2 CPU ranks per host: 
 torchrun per host (the c10d rendezvous, a failure restarting every node's ranks in a new round),
 the launcher's variants run with ``--cluster``; each fault SIGKILLs another rank (``victim``:
 every rank but 0 in turn, consecutive faults on different hosts), and a loss's figures come from
-``result.json``. Every host shares this machine's cores.
+``result.json``. Every host shares this machine's cores. ``--spare-hosts S`` adds S more hosts to
+the launcher's cluster file (beyond ``resources.nodes``: spares), and ``--host-every K`` makes
+every K-th fault a lost host instead: the victim's host (never the one rank 0 runs on, which
+serves the stage's store) powered off, every process of it and its run directory, and on again
+at once (a node that reboots: the pool takes it back as its last spare). ``bare`` takes no host
+faults (its fixed ``--nnodes`` waits for the lost host's torchrun, which nothing starts again).
 
 ``--together`` runs the variants at the same time (each its own 2 ranks, the faults at the same
 moments): on a machine whose load other work changes, one after the other they do not see the
@@ -111,7 +116,8 @@ def _start(variant: str, work: Path, end_at: float, args: Any, rig: Any = None) 
         spec.pop("scaling")
         spec["resources"] = {"nodes": args.hosts, "cpu_workers": 2}
         spec["env"] = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        cmd = rig.ns_cmd(*cmd, "--no-metrics", "--cluster", str(rig.cluster_yaml(work / "cluster.yaml", hosts=rig.hosts[: args.hosts])))
+        hosts = rig.hosts[: args.hosts + args.spare_hosts]  # those beyond resources.nodes are spares
+        cmd = rig.ns_cmd(*cmd, "--no-metrics", "--cluster", str(rig.cluster_yaml(work / "cluster.yaml", hosts=hosts)))
     (work / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     return [_popen(cmd, log)]
 
@@ -174,10 +180,11 @@ def _spares_ready(work: Path) -> int:
 
 
 def _kill_loop(procs: list[subprocess.Popen[bytes]], work: Path, started: float, end_at: float, interval: float, world_size: int,
-               await_spare: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+               await_spare: bool = False, host_every: int = 0, rig: Any = None) -> list[dict[str, Any]]:  # fmt: skip
     """SIGKILL a rank (``victim``) at every ``interval`` from the start while the run lasts; the
     kills done. ``await_spare``: each kill also waits for a warm spare that is ready (the short
-    test's fault is the spare's, whatever the machine's load)."""
+    test's fault is the spare's, whatever the machine's load). ``host_every``: every such fault
+    powers the victim's host off (and on again) instead (``rig``'s hosts)."""
     kills: list[dict[str, Any]] = []
     killed: set[int] = set()
     due = started + interval
@@ -189,12 +196,32 @@ def _kill_loop(procs: list[subprocess.Popen[bytes]], work: Path, started: float,
         pid = _rank_pid(work, rank)
         if pid is None or pid in killed or not _alive(pid):
             continue  # its new process has not published itself yet: the kill waits for it
+        host = _host_of(rig, pid) if host_every and (len(kills) + 1) % host_every == 0 else None
+        if host is not None and host is _host_of(rig, _rank_pid(work, 0) or -1):
+            host = None  # rank 0's host serves the stage's store: a rank fault there instead
         at = time.time()
-        os.kill(pid, signal.SIGKILL)
-        killed.add(pid)
-        kills.append({"pid": pid, "rank": rank, "at": at, "late_s": round(at - due, 3)})
+        if host is None:
+            os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+            kills.append({"pid": pid, "rank": rank, "at": at, "late_s": round(at - due, 3)})
+        else:
+            killed.update(_pids_in(host))
+            rig.power_off(host)
+            kills.append({"pid": pid, "rank": rank, "host": host.name, "at": at, "late_s": round(at - due, 3)})
+            rig.power_on(host)  # a node that reboots: sshd back, its run directory empty
         due += interval
     return kills
+
+
+def _pids_in(host: Any) -> set[int]:
+    from tests.netns import netns_pids
+
+    return netns_pids(host.ns)
+
+
+def _host_of(rig: Any, pid: int) -> Any:
+    """The namespace host ``pid`` runs in (None: none of the rig's)."""
+    return next((host for host in rig.hosts if pid in _pids_in(host)), None) if rig is not None else None
 
 
 def _steps(work: Path) -> list[tuple[int, float, float, int]]:
@@ -227,7 +254,7 @@ def _failures(rows: list[tuple[int, float, float, int]], kills: list[dict[str, A
         before = [step for step, _, t1, _ in rows if t1 <= at]
         after = [(t1, step) for step, t0, t1, _ in rows if t0 > at]
         first_after = min(after) if after else None
-        entry: dict[str, Any] = {"killed_pid": kill["pid"], "rank": kill["rank"], "at": round(at, 3)}
+        entry: dict[str, Any] = {"killed_pid": kill["pid"], "rank": kill["rank"], "at": round(at, 3), "fault": f"host {kill['host']}" if kill.get("host") else "rank"}
         entry["recovery_s"] = round(first_after[0] - at, 3) if first_after else None
         entry["steps_lost"] = max(0, (max(before) + 1 if before else 0) - first_after[1]) if first_after else None
         # the recovery of this kill: its rank, the first one whose death is not before the kill
@@ -271,7 +298,9 @@ def soak(variant: str, args: Any, started: float | None = None, rig: Any = None)
     world_size = 2 * (args.hosts if rig is not None else 1)
     stopped = False
     try:
-        kills = _kill_loop(procs, work, started, end_at, args.interval, world_size, await_spare=args.await_spare and variant.endswith("_spare"))
+        host_every = args.host_every if rig is not None and variant != "bare" else 0
+        kills = _kill_loop(procs, work, started, end_at, args.interval, world_size, await_spare=args.await_spare and variant.endswith("_spare"),
+                           host_every=host_every, rig=rig)  # fmt: skip
         try:
             deadline = end_at + args.grace
             codes = [proc.wait(timeout=max(1.0, deadline - time.time())) for proc in procs]
@@ -326,10 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-root", type=Path, default=None, help="where each variant's work directory goes (default: the system's temp dir)")
     parser.add_argument("--await-spare", action="store_true", help="each kill of a spare variant waits for a ready warm spare (the short test)")
     parser.add_argument("--hosts", type=int, default=0, help="run over this many namespace hosts, 2 CPU ranks each (root, ip, sshd); 0: this machine")
+    parser.add_argument("--spare-hosts", type=int, default=0, help="with --hosts: this many more hosts in the cluster file, as spares")
+    parser.add_argument("--host-every", type=int, default=0, help="with --hosts: every K-th fault powers the victim's host off (and on again)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     with contextlib.ExitStack() as stack:
-        rig = stack.enter_context(_rig(args.hosts)) if args.hosts else None
+        rig = stack.enter_context(_rig(args.hosts + args.spare_hosts)) if args.hosts else None
         where = f"{args.hosts} namespace hosts x 2 ranks, a rank" if rig is not None else "2 ranks, rank 1"
         if args.together:
             print(f"goodput: {', '.join(variants)} together for {args.duration:g}s on {where} of each SIGKILLed every {args.interval:g}s", flush=True)

@@ -12,6 +12,7 @@ SIGKILL after a grace period, then SIGKILL to any worker still alive here, by pi
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,12 +21,14 @@ from typing import Callable
 from launcher.backends.transports import LOCAL, Transport
 from launcher.errors import BackendError
 from launcher.evidence import RankEvidence
-from launcher.procutil import kill_now, stage_worker_pids, stop_groups
+from launcher.backends.host_inplace import HostKeeper
+from launcher.procutil import kill_now, stage_worker_pids, stop_groups, write_json_atomic
 from launcher.protocol import HOST_LOST, LOG_PREFIX_SEPARATOR, PORT_IN_USE_EXIT
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
 from launcher.stage.events import RanksLost
 from launcher.stage.logrouting import LogRouter
-from launcher.stage.plan import NodeSlot, NodeTarget, StagePlan
+from launcher.runtime.inplace import ENV_GEN, fallback_path, folder
+from launcher.stage.plan import NodeSlot, NodeTarget, StagePlan, on_spare
 
 # How long a failed agent's pipe may stay silent before its remaining output is given up on
 # (a stray child can hold the pipe open)
@@ -100,6 +103,16 @@ class TorchrunEngine(StageEngine):
         return stage
 
 
+@dataclass
+class _Move:
+    """A lost host's ranks on their way to a spare host (``TorchrunStage._move_to_spare``)."""
+
+    index: int  # the node's place in the stage's agents
+    lost: tuple[NodeSlot, Transport, subprocess.Popen]  # the lost host's node and agent
+    before: StagePlan  # the plan with the lost host: back to it if the move does not recover
+    why: str  # how the host was lost
+
+
 class TorchrunStage(StageHandle):
     """One stage's agents, one per node, each through its node's transport."""
 
@@ -108,6 +121,10 @@ class TorchrunStage(StageHandle):
         self._transport = transport
         self._agents: list[tuple[NodeSlot, Transport, subprocess.Popen]] = []
         self._lost: dict[str, str] = {}  # host -> why, once its loss was emitted
+        # a lost host's ranks moved to a spare in place (``host_inplace``): where the plan has spares
+        self._keeper = HostKeeper(plan.worker.attempt, (plan.rendezvous.addr, plan.rendezvous.port)) if plan.standby else None
+        self._moved: _Move | None = None  # a lost host's ranks on their way to a spare
+        self._left: list[subprocess.Popen] = []  # lost hosts' agents, replaced: still stopped at the end
 
     def _transports(self) -> dict[Transport, list[NodeSlot]]:
         groups: dict[Transport, list[NodeSlot]] = {}
@@ -133,6 +150,8 @@ class TorchrunStage(StageHandle):
 
     def poll(self) -> HandleStatus:
         lost = [(node, why) for node, transport, proc in self._agents if proc.poll() != 0 and (why := transport.lost(proc))]
+        if self._keeper is not None:
+            lost = self._tend_moves(lost)
         if lost:  # a host is gone (its agent's exit code, ssh's own 255 or none yet, says no more)
             for node, why in lost:
                 self._host_lost(node, why)
@@ -153,6 +172,84 @@ class TorchrunStage(StageHandle):
             self.logs.drain(node.host, idle_s=AGENT_DRAIN_IDLE_S)
         return HandleStatus(done=True, ok=True)
 
+    # --- a lost host's ranks moved to a spare in place ------------------------------------------
+    def _tend_moves(self, lost: list[tuple[NodeSlot, str]]) -> list[tuple[NodeSlot, str]]:
+        """The losses left to the restart path, once a move under way is settled and a new loss
+        moved to a spare where it can be (``launcher.backends.host_inplace``)."""
+        keeper = self._keeper
+        assert keeper is not None
+        if self._moved is not None:
+            spare, _, proc = self._agents[self._moved.index]
+            why = ""
+            if any(node.host == spare.host for node, _ in lost):
+                lost = [(node, w) for node, w in lost if node.host != spare.host]
+                why = f"the spare host {spare.host} was lost during the recovery"
+            elif lost:
+                why = "another host was lost during the recovery"
+            elif proc.poll() not in (None, 0):
+                why = f"the spare host's agent ended with {proc.poll()} before the recovery was over"
+            elif (done := keeper.settled()) is False:
+                why = f"no recovery within wait_s={keeper.recovery.wait_s:g}s" if keeper.recovery else "no recovery within wait_s"
+            elif done:
+                self._moved = None
+                self.logs.route(f"gpulaunch: the ranks of the lost host now run on {spare.host}: recovered in place", spare.host)
+            if why:
+                lost = [*lost, self._move_back(why)]
+        if not lost or keeper.given_up or self._moved is not None:
+            return lost
+        node, why = lost[0]
+        return lost[1:] if self._move_to_spare(node, why) else lost
+
+    def _move_to_spare(self, node: NodeSlot, why: str) -> bool:
+        """Host ``node`` lost: its ranks started on the first spare, joining the survivors' next
+        generation of the group. False where the restart path takes the loss."""
+        keeper = self._keeper
+        if keeper is None or node.node_rank == 0 or not self.plan.standby:
+            return False  # node 0's agent served the stage's store: it went with it
+        plan = on_spare(self.plan, node.node_rank)
+        spare = plan.nodes[node.node_rank]
+        ranks = tuple(r.rank for r in self.plan.ranks if r.node_rank == node.node_rank)
+        claimed = keeper.claim(node.node_rank, node.host, spare.host, ranks)
+        if isinstance(claimed, str):
+            self.logs.route(f"gpulaunch: host {node.host} lost ({why}); not recovered in place ({claimed}): the restart path", node.host)
+            return False
+        index = next(i for i, (n, _, _) in enumerate(self._agents) if n.node_rank == node.node_rank)
+        transport = self._transport(spare)
+        try:
+            transport.prepare(plan, [spare])
+            proc = transport.spawn(spare, plan, agent_argv(plan, spare), {**agent_env(spare), ENV_GEN: str(claimed.gen)})
+        except (OSError, BackendError) as exc:
+            keeper.give_up(f"the spare host {spare.host} could not start: {exc}")
+            self.logs.route(f"gpulaunch: host {node.host} lost; the spare host {spare.host} could not start ({exc}): the restart path", node.host)
+            return False
+        assert proc.stdout is not None
+        self.logs.follow(proc.stdout, spare.host)
+        self._moved = _Move(index, self._agents[index], self.plan, why)
+        self._left.append(self._agents[index][2])
+        self._agents[index] = (spare, transport, proc)
+        self.plan = plan
+        self.logs.route(f"gpulaunch: host {node.host} lost ({why}); its ranks {list(ranks)} start on the spare host {spare.host} "
+                        f"and join the others in place (generation {claimed.gen})", spare.host)  # fmt: skip
+        return True
+
+    def _move_back(self, why: str) -> tuple[NodeSlot, str]:
+        """The move under way did not recover: its spare's agent stopped, the plan as before (the
+        restart's spare is the same host), and the lost host's loss handed to the restart path."""
+        assert self._moved is not None and self._keeper is not None
+        move, self._moved = self._moved, None
+        _, transport, proc = self._agents[move.index]
+        if proc.poll() is None:
+            transport.stop([proc], 2.0)
+            stop_groups([proc], 2.0)
+        self._agents[move.index] = move.lost
+        self.plan = move.before
+        record = self._keeper.give_up(why)
+        if record is not None:
+            write_json_atomic(fallback_path(folder(self.plan.stage_dir, self.plan.worker.attempt), record["gen"]), record, durable=False)
+        node = move.lost[0]
+        self.logs.route(f"gpulaunch: the ranks of {node.host} were not recovered in place ({why}): the restart path", node.host)
+        return node, move.why
+
     def _host_lost(self, node: NodeSlot, why: str) -> None:
         """The host's ranks were lost with it: said once, stamped when the loss was seen."""
         if node.host in self._lost:
@@ -171,6 +268,7 @@ class TorchrunStage(StageHandle):
         )
 
     def stop(self, grace_s: float = 5.0) -> None:
+        stop_groups([proc for proc in self._left if proc.poll() is None], grace_s)  # lost hosts' sessions
         for transport in self._transports():
             live = [proc for _, t, proc in self._agents if t is transport and proc.poll() is None]
             if live:  # e.g. cut every SSH lifeline at once; returns when those hosts have stopped

@@ -348,7 +348,7 @@ def _run_stages(
         events.stage_started(loaded.spec.name, size, device_type, engine.name)
         try:
             plans = _plan_factory(loaded, pool, size, sizing, run_dir, engine.name)
-            outcome = run_stage(plans, engine, stop=stop, events=events, replace_hosts=pool.replace_lost)
+            outcome = run_stage(plans, engine, stop=stop, events=events, replace_hosts=pool.replace_lost, adopt_hosts=pool.adopt)
         except LauncherError as exc:  # the stage could not start (a host, a port, an agent)
             reason = FailureReason.INTERRUPTED if stop else FailureReason.NOT_STARTED
             return outcomes, Failure(reason, f"the stage of world size {size} could not start: {exc}")
@@ -370,7 +370,8 @@ def _plan_factory(job: LoadedJob, pool: HostPool, size: int, sizing: RunSizing, 
         nodes = list(pool.active)
         port = rendezvous_port(nodes)
         world = size if len(nodes) == nominal_nodes else size // nominal_nodes * len(nodes)
-        return plan_stage(job, nodes, world, sizing.device_type, run_dir=run_dir, master_port=port, backend=backend_name, attempt=attempt, stage_size=size)
+        return plan_stage(job, nodes, world, sizing.device_type, run_dir=run_dir, master_port=port, backend=backend_name, attempt=attempt,
+                          stage_size=size, spares=pool.spares)  # fmt: skip
 
     return make
 

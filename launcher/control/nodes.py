@@ -8,7 +8,7 @@ import socket
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from launcher import backends
 from launcher.control.planning import check_node_split
@@ -107,6 +107,25 @@ class HostPool:
             else:
                 said.append(f"{name} lost and no spare host is left: the restart tries it again")
         return "; ".join(said)
+
+    def adopt(self, moved: Mapping[str, str]) -> str:
+        """Hosts an attempt replaced in place (lost host -> the spare that took its ranks): the
+        spare is active from now on, for the restarts and stages that follow, and the lost host
+        the last spare (a node that rebooted is back by the time every other spare is taken; one
+        that is not fails its start at once, and that loss takes the restart path). What moved,
+        in one line."""
+        said = []
+        for lost, taken in moved.items():
+            index = next((i for i, n in enumerate(self.active) if n.name == lost), None)
+            spare = next((n for n in self.spares if n.name == taken), None)
+            if index is None or spare is None:
+                continue
+            self.spares.remove(spare)
+            self.spares.append(self.active[index])
+            self.active[index] = spare
+            said.append(f"{lost} lost: its ranks run on the spare host {taken} from now on")
+        return "; ".join(said)
+
 
 def rendezvous_port(nodes: Sequence[NodeTarget]) -> int:
     first = nodes[0]

@@ -213,11 +213,13 @@ def plan_stage(
     backend: str | None,
     attempt: int = 0,
     stage_size: int | None = None,
+    spares: Sequence[NodeTarget] = (),
 ) -> StagePlan:
     """The plan of one world size, its ranks spread evenly over ``nodes`` in order; ``attempt``:
     how many times the stage's group was started before (its restarts). ``stage_size``: the
     stage's own world size when this attempt runs smaller (an elastic world that lost a host):
-    its directory, and so its checkpoints, stay the stage's."""
+    its directory, and so its checkpoints, stay the stage's. ``spares``: hosts standing by, where
+    a lost host's ranks may go in place (``StagePlan.standby``)."""
     spec = job.spec
     nproc = world_size // len(nodes)
     paths = StagePaths.of(run_dir, stage_size or world_size)
@@ -226,6 +228,7 @@ def plan_stage(
         NodeSlot(i, target, nproc, threads, node_env(spec.env, target, threads, paths, multi_node=len(nodes) > 1))
         for i, target in enumerate(nodes)
     )
+    standby = tuple(NodeSlot(-1, target, nproc, threads, node_env(spec.env, target, threads, paths, multi_node=True)) for target in spares)
     return StagePlan(
         job=spec.name,
         backend=backend or spec.backend,
@@ -245,6 +248,7 @@ def plan_stage(
         engine_settings=spec.engine_settings(backend or spec.backend),
         stragglers=StragglerPolicy(spec.monitoring.straggler_factor, spec.monitoring.straggler_hold_s),
         hang=HangPolicy(spec.timeouts.hang_s, spec.timeouts.on_hang),
+        standby=standby,
     )
 
 

@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Mapping
 
 from launcher.control import cpuclock
 from launcher.control.diagnosis import explain_failure
@@ -80,10 +80,13 @@ def run_stage(
     stop: StopRequest,
     events: RunEvents | None = None,
     replace_hosts: Callable[[set[str]], str] | None = None,
+    adopt_hosts: Callable[[Mapping[str, str]], str] | None = None,
 ) -> StageOutcome:
     """Run one stage to its end, restarting the group for the failures ``restart_on`` names, up
     to ``max_restarts`` times; each restart's job resumes from the last complete checkpoint.
-    ``replace_hosts``: before a restart for lost hosts, have ``make_plan`` use others (spares)."""
+    ``replace_hosts``: before a restart for lost hosts, have ``make_plan`` use others (spares).
+    ``adopt_hosts``: after an attempt whose engine moved a lost host's ranks to a spare in place
+    (lost host -> spare), have ``make_plan`` use the spare from then on."""
     events = events or RunEvents()
     attempt = port_retries = 0
     started, load_at_start = time.time(), load_average()
@@ -91,7 +94,9 @@ def run_stage(
     previous_error = ""
     while True:
         plan = make_plan(attempt)  # a freshly chosen rendezvous port every time
-        outcome, progress = _run_attempt(plan, engine, stop=stop, events=events, restarts=attempt)
+        outcome, progress, moved = _run_attempt(plan, engine, stop=stop, events=events, restarts=attempt)
+        if moved and adopt_hosts is not None and (said := adopt_hosts(moved)):
+            events.message(said)
         attempt_started, outcome.started_at, outcome.restarts = outcome.started_at, started, attempt
         if outcome.rendezvous_port_in_use and port_retries < PORT_RETRIES and not stop:
             port_retries += 1
@@ -138,7 +143,11 @@ class _Watch:
     noticed: bool = False  # the ranks were told to stop and given the grace to save first
 
 
-def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, events: RunEvents, restarts: int) -> tuple[StageOutcome, AttemptProgress]:
+def _run_attempt(
+    plan: StagePlan, engine: StageEngine, *, stop: StopRequest, events: RunEvents, restarts: int
+) -> tuple[StageOutcome, AttemptProgress, dict[str, str]]:
+    """One attempt of the stage: its outcome, how far it got, and the hosts its engine replaced
+    in place (lost host -> the spare that took its ranks)."""
     plan.paths.reports.mkdir(parents=True, exist_ok=True)
     plan.paths.worker_config.write_text(plan.worker.to_json())
     secrets = secret_values(plan.spec_env)
@@ -185,7 +194,9 @@ def _run_attempt(plan: StagePlan, engine: StageEngine, *, stop: StopRequest, eve
         )
         outcome.rendezvous_port_in_use = status.rendezvous_port_in_use
     cpuclock.mark("stage_end")
-    return outcome, progress
+    spares = {slot.host for slot in plan.standby}
+    moved = {old.host: new.host for old, new in zip(plan.nodes, handle.plan.nodes) if old.host != new.host and new.host in spares}
+    return outcome, progress, moved
 
 
 def _preempted(reason: str, progress: AttemptProgress, then: str) -> Failure:

@@ -92,6 +92,9 @@ class StagePlan:
     engine_settings: BaseModel | None
     stragglers: StragglerPolicy
     hang: HangPolicy
+    # the spare hosts' slots (the cluster file's hosts beyond ``resources.nodes``), planned as a
+    # node would be but with no node rank (-1): where a lost host's ranks go in place (``on_spare``)
+    standby: tuple[NodeSlot, ...] = ()
 
     @property
     def max_restarts(self) -> int:
@@ -229,6 +232,16 @@ class RankPlacement:
     ifname: str | None = None
     gpu_ids: tuple[str, ...] = ()  # the GPUs granted to this rank
     port: int | None = None  # rank 0: a free port on its node for the rendezvous
+
+
+def on_spare(plan: StagePlan, node_rank: int) -> StagePlan:
+    """The plan with node ``node_rank`` moved to the first spare host (``plan.standby``): the same
+    node rank, ranks and shape, that host's target and environment; the spare no longer standing by."""
+    spare, *rest = plan.standby
+    moved = replace(spare, node_rank=node_rank, nproc=plan.nodes[node_rank].nproc, threads=plan.nodes[node_rank].threads)
+    nodes = tuple(moved if n.node_rank == node_rank else n for n in plan.nodes)
+    ranks = tuple(replace(r, host=moved.host) if r.node_rank == node_rank else r for r in plan.ranks)
+    return replace(plan, nodes=nodes, ranks=ranks, standby=tuple(rest))
 
 
 def place_ranks(plan: StagePlan, placements: Sequence[RankPlacement]) -> StagePlan:

@@ -210,7 +210,9 @@ def _recovery_lines(stages: list[Mapping[str, Any]]) -> list[Text]:
                 out.extend(Text(f"  {line}", style="yellow") for line in r.get("stuck") or ())
                 continue
             state = f", state {r['state_bytes'] / 1e6:,.1f} MB from a survivor's memory" if r.get("state_bytes") else ""
-            by = f" by a {' and a '.join(r['replacements'])}" if any(k.startswith("warm spare") for k in r.get("replacements") or ()) else ""
+            kinds = list(dict.fromkeys(r.get("replacements") or ()))
+            by = f" by a {' and a '.join(r['replacements'])}" if any(k.startswith("warm spare") for k in kinds) else ""
+            by = f" on the {kinds[0]}" if len(kinds) == 1 and kinds[0].startswith("spare host") else by
             out.append(Text(
                 f"{where}; recovered in place{by} in {_cell(r.get('recovery_s'))} s (seen after {_cell(r.get('detection_s'))} s{state}), "
                 f"from step {_cell(r.get('resumed_step'))}, {_cell(r.get('steps_lost'))} step(s) lost, no restart",

@@ -10,6 +10,9 @@ to the restart path; ``params.replacement: hang``: it joins the group and then s
 recovery times out (``params.wait_s``). ``params.wait_s`` (600 by default: a hang guard, never reached where the
 recovery works) bounds the recovery.
 
+``params.stall_at``: rank ``params.victim`` stops at the start of that step, once (the marker
+names its pid), its peers waiting for it in their next collective: a test powers its host off there.
+
 ``prepare`` (the spec's ``prepare``, with ``checkpoint.warm_spares``): the model and optimizer built
 before the rank is known, each call's pid appended to ``params.prepared_log``; ``run`` then takes
 them from ``ctx.prepared``. ``params.await_spare``: the victim dies only once a warm spare has
@@ -85,6 +88,11 @@ def run(ctx: Any) -> dict[str, Any]:
     first = live.step
 
     def train_step(step: int) -> None:
+        if step == int(ctx.param("stall_at", -1)) and ctx.rank == int(ctx.param("victim", 1)):
+            marker = Path(ctx.param("marker"))
+            if not marker.exists():  # once: the test takes the host down while its peers wait for this rank
+                marker.write_text(f"{os.getpid()}\n")
+                time.sleep(3600)
         if step == int(ctx.param("kill_at", -1)) and ctx.rank == int(ctx.param("victim", 1)):
             marker = Path(ctx.param("marker"))
             if not marker.exists():

@@ -425,3 +425,25 @@ def test_a_gpu_request_becomes_gres_per_node(slurm_gpu_rig: SlurmRig, launcher, 
     strict = launcher(rig, str(spec), "--set", "resources.device=cuda")
     assert strict.wait() == 1, strict.output()
     assert "'cuda' requested but n1 has no visible GPU" in result_of(strict.run_dir())["failure"]["summary"]
+
+
+def test_a_rank_killed_on_the_second_node_is_replaced_in_place(slurm_rig: SlurmRig, launcher, tmp_path: Path):
+    """Recovery in place under Slurm (a torchrun agent per node, started by srun): rank 3, on n2,
+    SIGKILLs itself at step 17; n2's agent replaces it, the survivors on both nodes keep their
+    processes and the state comes from rank 0's memory on n1; no restart, no step lost."""
+    params = {"steps": 30, "checkpoint_every": 10, "marker": str(tmp_path / "killed"), "kill_at": 17, "victim": 3}
+    spec = write_spec(tmp_path, "inplace", entrypoint="tests.integration.in_place_job:run", params=params,
+                      resources={"nodes": 2, "cpu_workers": 2}, max_restarts=1)  # fmt: skip
+    run = launcher(slurm_rig, str(spec))
+    assert run.wait() == 0, run.output()
+    assert (tmp_path / "killed").exists()  # the fault happened
+    result = result_of(run.run_dir())
+    stage = result["stages"][0]
+    assert stage["status"] == "succeeded" and stage["restarts"] == 0 and len(stage["attempts"]) == 1, stage
+    (recovery,) = stage["recoveries"]
+    assert recovery["path"] == "in_place" and recovery["dead_ranks"] == [3], recovery
+    assert recovery["resumed_step"] == 17 and recovery["steps_lost"] == 0 and recovery["state_bytes"] > 0, recovery
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert [ranks[k]["hostname"] for k in range(4)] == ["n1", "n1", "n2", "n2"]
+    assert ranks[3]["result"]["first_step"] == 17 and all(ranks[k]["result"]["first_step"] == 0 for k in (0, 1, 2))
+    assert len({r["result"]["model_sha256"] for r in result["ranks"]}) == 1

@@ -106,3 +106,24 @@ def test_a_min_larger_than_the_cluster_file_is_refused_before_any_host_is_contac
     assert code == 2, err
     assert f"resources.nodes: at least 3 (min) node(s) requested but {cluster} lists 2 host(s)" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_host_moved_to_a_spare_in_place_is_the_pools_and_the_lost_one_the_last_spare(tmp_path, monkeypatch):
+    """A lost host's ranks moved to a spare during an attempt (``on_spare``, the torchrun engine's
+    recovery in place): the plans after it run on the spare, and the lost host stands by last."""
+    import launcher.control.api as api
+    from launcher.stage.plan import on_spare
+
+    monkeypatch.setattr(api, "rendezvous_port", lambda nodes: 29500)
+    spec = job(tmp_path, "2")
+    pool = HostPool.of(spec, [node("h1"), node("h2"), node("h3"), node("h4")])
+    sizing = size_run(spec, pool.active)
+    make = _plan_factory(spec, pool, sizing.world_sizes[0], sizing, tmp_path / "run", "torchrun")
+    first = make(0)
+    assert [n.host for n in first.nodes] == ["h1", "h2"] and [(n.host, n.node_rank) for n in first.standby] == [("h3", -1), ("h4", -1)]
+    moved = on_spare(first, 1)  # h2 lost: its node rank, its ranks, on h3
+    assert [(n.host, n.node_rank, n.nproc) for n in moved.nodes] == [("h1", 0, 2), ("h3", 1, 2)] and [n.host for n in moved.standby] == ["h4"]
+    assert [r.host for r in moved.ranks] == ["h1", "h1", "h3", "h3"] and moved.nodes[1].env == first.standby[0].env
+    assert pool.adopt({"h2": "h3"}) == "h2 lost: its ranks run on the spare host h3 from now on"
+    assert ([n.name for n in pool.active], [n.name for n in pool.spares]) == (["h1", "h3"], ["h4", "h2"])
+    assert [n.host for n in make(1).nodes] == ["h1", "h3"]
