@@ -262,6 +262,8 @@ class HostLinks:
 
     def __init__(self) -> None:
         self._links: dict[str, HostLink] = {}
+        self._lost: list[HostLink] = []  # links to hosts that were lost, replaced by a new login (closed at the end)
+        self._made = 0  # links made so far: each its own control socket
         self._lock = threading.Lock()
         self._dir: Path | None = None
         self._closed = threading.Event()
@@ -273,15 +275,21 @@ class HostLinks:
 
     def get(self, host: HostConfig) -> HostLink:
         """The host's connection, its login started by the first caller (outside the lock, so
-        callers in parallel threads start their hosts' logins in parallel)."""
+        callers in parallel threads start their hosts' logins in parallel). A host whose
+        connection was lost gets a new login: it may be back (a node that rebooted, a spare
+        again); if it is not, that login fails as any other."""
         key = self._key(host)
         with self._lock:
             link = self._links.get(key)
+            if link is not None and link.lost() is not None:
+                self._lost.append(link)
+                link = None
             created = link is None
             if link is None:
                 if self._dir is None:
                     self._dir = _socket_dir()  # 0700: ours alone
-                link = HostLink(host, self._dir / str(len(self._links)))
+                link = HostLink(host, self._dir / str(self._made))
+                self._made += 1
                 self._links[key] = link
                 if self._pinger is None:
                     self._pinger = threading.Thread(target=self._ping, daemon=True, name="gpulaunch-ssh-ping")
@@ -308,7 +316,8 @@ class HostLinks:
     def close(self, wait_s: float = 5.0) -> None:
         """Every connection closed (masters gone, by pid if need be), the socket directory removed."""
         self._closed.set()
-        links = self.links()
+        with self._lock:
+            links = [*self._links.values(), *self._lost]
         for link in links:  # all at once: each host ends its helper in parallel
             link.begin_close()
         deadline = time.monotonic() + wait_s
@@ -319,7 +328,8 @@ class HostLinks:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def master_pids(self) -> list[int]:
-        return [link.proc.pid for link in self.links() if link.proc is not None]
+        with self._lock:
+            return [link.proc.pid for link in (*self._links.values(), *self._lost) if link.proc is not None]
 
 
 _CURRENT: ContextVar[HostLinks | None] = ContextVar("gpulaunch_ssh_links", default=None)
