@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -269,6 +270,7 @@ class Checkpoints:
         self.seam: Any = None
         self.metrics: Any = None
         self.joining = 0
+        self.live: Any = None  # the job's ``in_place`` (a save broken by a lost peer recovers through it)
 
     # --- recovery in place ---------------------------------------------------------------------
     def in_place(self, model: Any, optimizer: Any, wrap: Callable[[Any], Any], *, step: int = 0, wait_s: float = 30.0) -> Any:
@@ -293,8 +295,9 @@ class Checkpoints:
         if self.seam is not None:
             seam.on_regroup.append(self._regrouped)
         gen, self.joining = self.joining, 0
-        return InPlace(model, optimizer, fixed, step=step, wait_s=wait_s, rank=self.rank, world_size=self.world_size,
-                       seam=seam, metrics=self.metrics, gen=gen if self.seam is not None else 0, layout=(self.carried_layout, self.take_layout))  # fmt: skip
+        self.live = InPlace(model, optimizer, fixed, step=step, wait_s=wait_s, rank=self.rank, world_size=self.world_size,
+                            seam=seam, metrics=self.metrics, gen=gen if self.seam is not None else 0, layout=(self.carried_layout, self.take_layout))  # fmt: skip
+        return self.live
 
     def _regrouped(self) -> None:
         """The group changed under it. On one host (where recovery in place runs) the layout it
@@ -405,7 +408,16 @@ class Checkpoints:
             folder = self._save_sharded(state, step)
             self._saved(step, at)
         else:
-            folder = self._save_replicated(state, step, at)
+            try:
+                folder = self._save_replicated(state, step, at)
+            except RuntimeError as exc:
+                if self.live is None or not self.live.recovered_between_steps(exc):
+                    raise
+                # over several hosts a save broadcasts to each host's writer, outside the job's
+                # live.run: a peer lost there is recovered here, and this checkpoint given up (the
+                # state is in every rank's memory; the next save is the durable one)
+                print(f"gpulaunch: the checkpoint of step {step} was cut short by a lost rank, recovered in place: not saved", file=sys.stderr, flush=True)
+                folder = None
         self.save_s += time.perf_counter() - started
         return folder
 

@@ -362,6 +362,17 @@ class InPlace:
             self._stepped()
             return result
 
+    def recovered_between_steps(self, exc: BaseException) -> bool:
+        """A collective of the job's own between two steps (a checkpoint's save) broken by a lost
+        peer: recovered as under ``run`` (the state is the last step's); True where it was, and
+        the caller gives that collective up: the replacement goes on at the next step, as the
+        survivors do then. The error goes on where it is not a peer's loss (False) or where no
+        replacement comes (the restart path)."""
+        if self.world_size <= 1 or self.seam.store is None or not isinstance(exc, RuntimeError) or not is_peer_loss(exc):
+            return False
+        self._recover(exc)
+        return True
+
     def _committed(self, *_args: Any) -> None:
         self._commits += 1
         self.step += 1

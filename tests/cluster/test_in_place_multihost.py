@@ -50,10 +50,16 @@ def _hashes(result: dict[str, Any]) -> set[str]:
     return {r["result"]["model_sha256"] for r in result["ranks"]}
 
 
-def test_a_rank_killed_on_one_host_is_replaced_in_place_from_a_survivor_on_the_other(netns_cluster: NetnsCluster, tmp_path: Path) -> None:
-    uninterrupted = _run(netns_cluster, tmp_path, "clean")
-    assert len(_hashes(uninterrupted)) == 1 and uninterrupted["stages"][0]["attempts"][0]["steps"] == 30
+@pytest.fixture(scope="module")
+def uninterrupted(netns_cluster: NetnsCluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    result = _run(netns_cluster, tmp_path_factory.mktemp("clean"), "clean")
+    assert len(_hashes(result)) == 1 and result["stages"][0]["attempts"][0]["steps"] == 30
+    return result
 
+
+def test_a_rank_killed_on_one_host_is_replaced_in_place_from_a_survivor_on_the_other(
+    netns_cluster: NetnsCluster, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
     result = _run(netns_cluster, tmp_path, "killed", kill_at=17, victim=3)  # rank 3: the second host's second rank
 
     killed = int((tmp_path / "killed.killed").read_text())  # the fault happened (the marker is outside the private run roots)
@@ -68,4 +74,26 @@ def test_a_rank_killed_on_one_host_is_replaced_in_place_from_a_survivor_on_the_o
     assert ranks[3]["result"]["first_step"] == 17 and ranks[3]["result"]["gen"] == 1 and ranks[3]["result"]["pid"] != killed
     assert all(ranks[r]["result"]["first_step"] == 0 and ranks[r]["result"]["gen"] == 1 for r in (0, 1, 2))  # the survivors kept their processes
     assert "rank(s) 3 lost; recovered in place" in result["_output"], result["_output"][-3000:]
+    assert _hashes(result) == _hashes(uninterrupted)  # bit for bit
+
+
+def test_a_rank_lost_during_a_save_is_recovered_in_place_and_that_checkpoint_given_up(
+    netns_cluster: NetnsCluster, tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    """Over hosts without a shared filesystem a save broadcasts the checkpoint to each host's
+    writer, outside the job's ``live.run``. Rank 0 dies as its save of step 20 begins: rank 2
+    (host 2's writer) is waiting for the broadcast then; it recovers there and gives that
+    checkpoint up, the others recover in their next step, and the replacement of rank 0 (the
+    state from rank 1) goes on at step 20 with them."""
+    result = _run(netns_cluster, tmp_path, "insave", kill_in_save_at=20, victim=0)
+
+    killed = int((tmp_path / "insave.killed").read_text())
+    stage = result["stages"][0]
+    assert stage["status"] == "succeeded" and stage["restarts"] == 0 and len(stage["attempts"]) == 1, stage
+    (recovery,) = stage["recoveries"]
+    assert recovery["path"] == "in_place" and recovery["dead_ranks"] == [0], recovery
+    assert recovery["resumed_step"] == 20 and recovery["steps_lost"] == 0, recovery
+    assert "h2:2 gpulaunch: the checkpoint of step 20 was cut short by a lost rank, recovered in place" in result["_output"], result["_output"][-3000:]
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert ranks[0]["result"]["first_step"] == 20 and ranks[0]["result"]["pid"] != killed
     assert _hashes(result) == _hashes(uninterrupted)  # bit for bit

@@ -10,6 +10,9 @@ to the restart path; ``params.replacement: hang``: it joins the group and then s
 recovery times out (``params.wait_s``). ``params.wait_s`` (600 by default: a hang guard, never reached where the
 recovery works) bounds the recovery.
 
+``params.kill_in_save_at``: rank ``params.victim`` SIGKILLs itself as its save of that step
+begins, once (over several hosts its peers are in the save's broadcast then).
+
 ``params.stall_at``: rank ``params.victim`` stops at the start of that step, once (the marker
 names its pid), its peers waiting for it in their next collective: a test powers its host off there.
 
@@ -111,6 +114,11 @@ def run(ctx: Any) -> dict[str, Any]:
     for step in range(first, steps):
         live.run(train_step, step)
         if (step + 1) % every == 0:
+            if step + 1 == int(ctx.param("kill_in_save_at", -1)) and ctx.rank == int(ctx.param("victim", 1)):
+                marker = Path(ctx.param("marker"))
+                if not marker.exists():  # once: the rank dies as its save begins, its peers in theirs
+                    marker.write_text(f"{os.getpid()}\n")
+                    os.kill(os.getpid(), signal.SIGKILL)
             ctx.checkpoint.save({"model": model.state_dict(), "opt": opt.state_dict()}, step=step + 1)
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
