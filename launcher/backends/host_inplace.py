@@ -73,7 +73,9 @@ class HostKeeper:
         try:
             word = self._word()
             armed = {rank: word.armed(rank) for rank in ranks}
-            late = [r for r, a in armed.items() if a is None or a.get("gen") != self.joined.get(r, 0)]
+            # a record older than the generation this keeper put the rank in is its lost process's
+            # (a node's keeper that replaced the rank since leaves a newer one: still opted in)
+            late = [r for r, a in armed.items() if a is None or int(a.get("gen") or 0) < self.joined.get(r, 0)]
             if late:
                 self.given_up = True
                 gen = word.begun() + 1  # the generation every survivor waits for

@@ -496,8 +496,8 @@ class RayStage(StageHandle):
             self._runs[actor.run.remote(*self._run_args[slot.rank])] = slot.rank
             self._node_ranks.setdefault(self._probes[slot.rank]["node_id"], []).append(slot.rank)
         if keeps:
-            route = lambda line: self.logs.route(line, self._host(0))  # noqa: E731
-            self._keeper = RayKeeper(attempt=worker.attempt, world_size=placed.world_size, stage_dir=self.plan.stage_dir, respawn=self._respawn, log=route)
+            self._keeper = RayKeeper(attempt=worker.attempt, world_size=placed.world_size, stage_dir=self.plan.stage_dir, respawn=self._respawn,
+                                     log=self._say)  # fmt: skip
         self._start_channel()
         self._state = "running"
 
@@ -583,13 +583,22 @@ class RayStage(StageHandle):
             bad = sorted(k for k, r in self._reports.items() if not r.ok)
             self._failure = f"rank(s) {bad} failed"
         if self._keeper is not None:
-            if self._state == "failed" and self._keeper.recovery is not None:
-                self._keeper.give_up(self._actors, "another rank ended during the recovery")
-            given_up = self._keeper.poll(self._actors)
-            if given_up is not None:
-                rank, why = given_up
-                self._died_of(rank, why)
-                self._fail(f"actor {self.plan.job}-rank{rank} died: {why}")
+            self._tend_keeper(self._keeper)
+
+    def _tend_keeper(self, keeper: RayKeeper) -> None:
+        """A recovery in place under way: given up once the stage failed otherwise, looked at, and
+        a loss that was not recovered made the stage's failure (the restart path)."""
+        if self._state == "failed" and keeper.recovery is not None:
+            keeper.give_up(self._actors, "another rank ended during the recovery")
+        given_up = keeper.poll(self._actors)
+        if given_up is not None:
+            rank, why = given_up
+            self._died_of(rank, why)
+            self._fail(f"actor {self.plan.job}-rank{rank} died: {why}")
+
+    def _say(self, line: str) -> None:
+        """A line of the launcher's own about the stage, in its output (as rank 0's host's)."""
+        self.logs.route(line, self._host(0))
 
     def _steps_at_death(self, rank: int) -> int | None:
         """A lost rank's exact step count, where its files are on this node (else unknown)."""

@@ -103,3 +103,50 @@ def test_the_ray_drivers_keeper_replaces_only_the_process_that_opted_in(monkeypa
     assert store_keeper.outcome(3, 1) == {"gen": 1, "outcome": "recovered"}
     store_keeper.release(3, "driver")
     assert survivor.claim("a-host-keeper") == 2
+
+
+def test_the_launchers_keeper_of_a_lost_host_claims_for_all_its_ranks_once_each_opted_in() -> None:
+    """``HostKeeper`` (the launcher's side of a lost host's recovery) on a real TCPStore: a host
+    one of whose ranks never opted in is declined (the survivors stop waiting); a host whose ranks
+    opted in, one of them since replaced by its node's keeper (a newer record), gets the next
+    generation with both ranks published dead; the outcome settles it, and the ranks' next loss is
+    checked against the generation they joined on the spare."""
+    from datetime import timedelta
+
+    from launcher.backends.host_inplace import HostKeeper, HostRecovery
+    from launcher.runtime.inplace import KeeperWord
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    survivor = KeeperWord(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10)), 0)
+
+    unarmed = HostKeeper(7, ("127.0.0.1", server.port))
+    KeeperWord(survivor.store, 7).arm(2, {"pid": 10, "wait_s": 5.0, "gen": 0})
+    assert unarmed.claim(1, "h2", "h3", (2, 3)) == "rank(s) [3] of h2 had not opted in" and unarmed.given_up
+    assert (KeeperWord(survivor.store, 7).outcome(1) or {}).get("outcome") == "declined"
+
+    keeper = HostKeeper(0, ("127.0.0.1", server.port))
+    survivor.arm(2, {"pid": 20, "wait_s": 5.0, "gen": 0})
+    survivor.arm(3, {"pid": 31, "wait_s": 9.0, "gen": 1})  # rank 3 replaced by h2's keeper in generation 1
+    assert survivor.claim("h2-keeper") == 1
+    survivor.settle(1, "recovered", {"gen": 1})
+    survivor.release("h2-keeper")
+    recovery = keeper.claim(1, "h2", "h3", (2, 3))
+    assert isinstance(recovery, HostRecovery) and (recovery.gen, recovery.wait_s, recovery.ranks) == (2, 9.0, (2, 3)), recovery
+    death = survivor.death(2)
+    assert death is not None and death["ranks"] == [2, 3] and death["pids"] == [20, 31] and death["lost_host"] == "h2", death
+    assert keeper.settled() is None  # under way
+    survivor.settle(2, "recovered", {"gen": 2})
+    recovery.next_ask = 0.0
+    assert keeper.settled() is True and keeper.recovery is None and keeper.joined == {2: 2, 3: 2}
+    assert survivor.claim("h1-keeper") == 3  # released: the next loss may be recovered
+    survivor.release("h1-keeper")
+    assert keeper.claim(1, "h3", "h4", (2, 3)) == "rank(s) [2, 3] of h3 had not opted in"  # the spare's ranks never armed
+    late = HostKeeper(0, ("127.0.0.1", server.port))
+    late.joined = {2: 2, 3: 2}
+    survivor.arm(2, {"pid": 40, "wait_s": 1.0, "gen": 2})
+    survivor.arm(3, {"pid": 41, "wait_s": 1.0, "gen": 2})
+    assert isinstance(late.claim(1, "h3", "h4", (2, 3)), HostRecovery)
+    record = late.give_up("no recovery within wait_s=1s")  # the spare's ranks never stepped
+    assert record is not None and record["dead_ranks"] == [2, 3] and late.given_up
+    assert (survivor.outcome(4) or {}).get("outcome") == "fallback"  # the survivors stop waiting: the restart path
+    assert survivor.claim("h1-keeper") == 5  # released
