@@ -8,7 +8,7 @@ import socket
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from launcher import backends
 from launcher.control.planning import check_node_split
@@ -108,22 +108,19 @@ class HostPool:
                 said.append(f"{name} lost and no spare host is left: the restart tries it again")
         return "; ".join(said)
 
-    def adopt(self, moved: Mapping[str, str]) -> str:
-        """Hosts an attempt replaced in place (lost host -> the spare that took its ranks): the
-        spare is active from now on, for the restarts and stages that follow, and the lost host
-        the last spare (a node that rebooted is back by the time every other spare is taken; one
-        that is not fails its start at once, and that loss takes the restart path). What moved,
-        in one line."""
-        said = []
-        for lost, taken in moved.items():
-            index = next((i for i, n in enumerate(self.active) if n.name == lost), None)
-            spare = next((n for n in self.spares if n.name == taken), None)
-            if index is None or spare is None:
-                continue
-            self.spares.remove(spare)
-            self.spares.append(self.active[index])
-            self.active[index] = spare
-            said.append(f"{lost} lost: its ranks run on the spare host {taken} from now on")
+    def adopt(self, hosts: Sequence[str]) -> str:
+        """The hosts an attempt ended on, where its engine moved a lost host's ranks to a spare in
+        place (node by node, in node-rank order): they are the active ones from now on, for the
+        restarts and stages that follow, and the hosts they replaced the last spares (a node that
+        rebooted is back by the time every other spare is taken; one that is not fails its start
+        at once, and that loss takes the restart path). What moved, in one line."""
+        known = {n.name: n for n in (*self.active, *self.spares)}
+        if len(hosts) != len(self.active) or any(h not in known for h in hosts):
+            return ""
+        now = [known[h] for h in hosts]
+        said = [f"{old.name} lost: its ranks run on the spare host {new.name} from now on" for old, new in zip(self.active, now) if old.name != new.name]
+        dropped = [n for n in self.active if n.name not in hosts]
+        self.active, self.spares = now, [n for n in self.spares if n.name not in hosts] + dropped
         return "; ".join(said)
 
 

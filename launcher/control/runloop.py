@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
+from typing import Callable, Sequence
 
 from launcher.control import cpuclock
 from launcher.control.diagnosis import explain_failure
@@ -80,13 +80,13 @@ def run_stage(
     stop: StopRequest,
     events: RunEvents | None = None,
     replace_hosts: Callable[[set[str]], str] | None = None,
-    adopt_hosts: Callable[[Mapping[str, str]], str] | None = None,
+    adopt_hosts: Callable[[Sequence[str]], str] | None = None,
 ) -> StageOutcome:
     """Run one stage to its end, restarting the group for the failures ``restart_on`` names, up
     to ``max_restarts`` times; each restart's job resumes from the last complete checkpoint.
     ``replace_hosts``: before a restart for lost hosts, have ``make_plan`` use others (spares).
-    ``adopt_hosts``: after an attempt whose engine moved a lost host's ranks to a spare in place
-    (lost host -> spare), have ``make_plan`` use the spare from then on."""
+    ``adopt_hosts``: after an attempt whose engine moved a lost host's ranks to a spare in place,
+    have ``make_plan`` use the hosts it ended on from then on."""
     events = events or RunEvents()
     attempt = port_retries = 0
     started, load_at_start = time.time(), load_average()
@@ -145,9 +145,9 @@ class _Watch:
 
 def _run_attempt(
     plan: StagePlan, engine: StageEngine, *, stop: StopRequest, events: RunEvents, restarts: int
-) -> tuple[StageOutcome, AttemptProgress, dict[str, str]]:
-    """One attempt of the stage: its outcome, how far it got, and the hosts its engine replaced
-    in place (lost host -> the spare that took its ranks)."""
+) -> tuple[StageOutcome, AttemptProgress, list[str]]:
+    """One attempt of the stage: its outcome, how far it got, and the hosts it ended on where its
+    engine moved a lost host's ranks to a spare in place (else none)."""
     plan.paths.reports.mkdir(parents=True, exist_ok=True)
     plan.paths.worker_config.write_text(plan.worker.to_json())
     secrets = secret_values(plan.spec_env)
@@ -194,8 +194,8 @@ def _run_attempt(
         )
         outcome.rendezvous_port_in_use = status.rendezvous_port_in_use
     cpuclock.mark("stage_end")
-    spares = {slot.host for slot in plan.standby}
-    moved = {old.host: new.host for old, new in zip(plan.nodes, handle.plan.nodes) if old.host != new.host and new.host in spares}
+    hosts = [node.host for node in handle.plan.nodes]
+    moved = hosts if plan.standby and hosts != [node.host for node in plan.nodes] else []
     return outcome, progress, moved
 
 

@@ -236,12 +236,14 @@ class RankPlacement:
 
 def on_spare(plan: StagePlan, node_rank: int) -> StagePlan:
     """The plan with node ``node_rank`` moved to the first spare host (``plan.standby``): the same
-    node rank, ranks and shape, that host's target and environment; the spare no longer standing by."""
+    node rank, ranks and shape, that host's target and environment; the spare no longer standing
+    by, and the host it replaces the last to (a node that rebooted may be back when it is needed)."""
     spare, *rest = plan.standby
-    moved = replace(spare, node_rank=node_rank, nproc=plan.nodes[node_rank].nproc, threads=plan.nodes[node_rank].threads)
+    lost = plan.nodes[node_rank]
+    moved = replace(spare, node_rank=node_rank, nproc=lost.nproc, threads=lost.threads)
     nodes = tuple(moved if n.node_rank == node_rank else n for n in plan.nodes)
     ranks = tuple(replace(r, host=moved.host) if r.node_rank == node_rank else r for r in plan.ranks)
-    return replace(plan, nodes=nodes, ranks=ranks, standby=tuple(rest))
+    return replace(plan, nodes=nodes, ranks=ranks, standby=(*rest, replace(lost, node_rank=-1)))
 
 
 def place_ranks(plan: StagePlan, placements: Sequence[RankPlacement]) -> StagePlan:

@@ -121,9 +121,13 @@ def test_a_host_moved_to_a_spare_in_place_is_the_pools_and_the_lost_one_the_last
     make = _plan_factory(spec, pool, sizing.world_sizes[0], sizing, tmp_path / "run", "torchrun")
     first = make(0)
     assert [n.host for n in first.nodes] == ["h1", "h2"] and [(n.host, n.node_rank) for n in first.standby] == [("h3", -1), ("h4", -1)]
-    moved = on_spare(first, 1)  # h2 lost: its node rank, its ranks, on h3
-    assert [(n.host, n.node_rank, n.nproc) for n in moved.nodes] == [("h1", 0, 2), ("h3", 1, 2)] and [n.host for n in moved.standby] == ["h4"]
+    moved = on_spare(first, 1)  # h2 lost: its node rank, its ranks, on h3; h2 the last to stand by
+    assert [(n.host, n.node_rank, n.nproc) for n in moved.nodes] == [("h1", 0, 2), ("h3", 1, 2)]
+    assert [(n.host, n.node_rank) for n in moved.standby] == [("h4", -1), ("h2", -1)]
     assert [r.host for r in moved.ranks] == ["h1", "h1", "h3", "h3"] and moved.nodes[1].env == first.standby[0].env
-    assert pool.adopt({"h2": "h3"}) == "h2 lost: its ranks run on the spare host h3 from now on"
-    assert ([n.name for n in pool.active], [n.name for n in pool.spares]) == (["h1", "h3"], ["h4", "h2"])
-    assert [n.host for n in make(1).nodes] == ["h1", "h3"]
+    again = on_spare(moved, 1)  # h3 lost too, in the same attempt: h4
+    assert [n.host for n in again.nodes] == ["h1", "h4"] and [n.host for n in again.standby] == ["h2", "h3"]
+    assert pool.adopt([n.host for n in again.nodes]) == "h2 lost: its ranks run on the spare host h4 from now on"
+    assert ([n.name for n in pool.active], [n.name for n in pool.spares]) == (["h1", "h4"], ["h3", "h2"])
+    assert [n.host for n in make(1).nodes] == ["h1", "h4"] and [n.host for n in make(1).standby] == ["h3", "h2"]
+    assert pool.adopt(["h1", "h9"]) == "" and [n.name for n in pool.active] == ["h1", "h4"]  # not the pool's hosts: unchanged
