@@ -201,26 +201,34 @@ def opened_between(before: Mapping[int, str], after: Mapping[int, str]) -> dict[
 def shut_down(sockets: Mapping[int, str]) -> int:
     """``shutdown(2)`` each of ``sockets`` still open as itself (not a reused descriptor), without
     closing it (its owner, gloo, does that when the group goes): a collective blocked on it fails at
-    once, here and at its peer, which sees the connection closed. Returns how many were shut."""
+    once, here and at its peer, which sees the connection closed. Returns how many were shut.
+
+    Each is shut through a duplicate of its descriptor, checked to name the group's socket: gloo
+    closes its own descriptors as its connections fail, at the same time (a descriptor closed
+    under a ``socket(fileno=...)`` failed a survivor with EBADF in the goodput soak)."""
     import socket
 
     shut = 0
     for fd, name in sockets.items():
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") != name:
-                continue
+            own = os.dup(fd)
         except OSError:
-            continue
-        sock = socket.socket(fileno=fd)
+            continue  # closed already: gloo is done with it
         try:
-            # never a listener: gloo's accept loop aborts the process on the error that would wake it
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-                shut += 1
+            sock = socket.socket(fileno=own)
         except OSError:
-            pass  # a connection already broken
-        finally:
-            sock.detach()  # the descriptor stays gloo's
+            os.close(own)
+            continue
+        with sock:
+            try:
+                if os.readlink(f"/proc/self/fd/{own}") != name:
+                    continue  # the descriptor was closed and reused: not the group's socket
+                # never a listener: gloo's accept loop aborts the process on the error that would wake it
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    shut += 1
+            except OSError:
+                pass  # a connection already broken
     return shut
 
 

@@ -150,3 +150,33 @@ def test_the_launchers_keeper_of_a_lost_host_claims_for_all_its_ranks_once_each_
     assert record is not None and record["dead_ranks"] == [2, 3] and late.given_up
     assert (survivor.outcome(4) or {}).get("outcome") == "fallback"  # the survivors stop waiting: the restart path
     assert survivor.claim("h1-keeper") == 5  # released
+
+
+def test_a_left_groups_sockets_are_shut_down_not_closed_and_never_its_listener_or_a_reused_descriptor() -> None:
+    """``shut_down`` on real sockets: a connection is shut (its peer reads the end at once) and its
+    descriptor stays open (gloo closes it); a listener is left alone (gloo's accept loop would
+    abort); a descriptor closed since, or reused by another socket, is skipped."""
+    import os
+    import socket
+
+    from launcher.runtime.inplace import opened_between, shut_down, socket_fds
+
+    before = socket_fds()
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    gone = socket.socket()
+    group = opened_between(before, socket_fds())
+    gone.close()
+    reused = socket.create_connection(listener.getsockname())  # the lowest free descriptor: the closed one's, as a rule
+    peer, _ = listener.accept()
+    try:
+        assert shut_down(group) == 2  # client and server, not the listener, not the reused descriptor
+        assert server.recv(1) == b"" and client.recv(1) == b""  # each end saw the other shut
+        assert os.readlink(f"/proc/self/fd/{client.fileno()}").startswith("socket:")  # still open: its owner closes it
+        assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        peer.sendall(b"x")
+        assert reused.recv(1) == b"x"  # the socket now on that descriptor still works
+    finally:
+        for sock in (listener, client, server, reused, peer):
+            sock.close()
