@@ -12,22 +12,22 @@ SIGKILL after a grace period, then SIGKILL to any worker still alive here, by pi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 from launcher.backends.transports import LOCAL, Transport
+from launcher.backends.host_inplace import HostKeeper
 from launcher.errors import BackendError
 from launcher.evidence import RankEvidence
-from launcher.backends.host_inplace import HostKeeper
 from launcher.procutil import kill_now, stage_worker_pids, stop_groups, write_json_atomic
 from launcher.protocol import HOST_LOST, LOG_PREFIX_SEPARATOR, PORT_IN_USE_EXIT
 from launcher.stage.engine import HandleStatus, LaunchRequest, StageEngine, StageHandle
 from launcher.stage.events import RanksLost
-from launcher.stage.logrouting import LogRouter
 from launcher.runtime.inplace import ENV_GEN, fallback_path, folder
+from launcher.stage.logrouting import LogRouter
 from launcher.stage.plan import NodeSlot, NodeTarget, StagePlan, on_spare
 
 # How long a failed agent's pipe may stay silent before its remaining output is given up on
