@@ -10,6 +10,12 @@ rate over the same recent window, from the time of every step (the job writes th
 the step the scrape's ``gpulaunch_steps_total`` counted (the beacons the endpoint had by then;
 on a loaded machine they arrive a second or two late, while the ranks' own rate moves by 20%).
 
+A scrape where the ranks' true rate itself moves by more than the tolerance within one beacon
+interval of that step (a second's stall entering or leaving the window: 36 -> 49 steps/s from
+one scrape to the next, seen once in CI) is not compared: the endpoint places a window's edge to
+a beacon, so there its rate is right to within that jump only; at least two thirds of the
+scrapes must be compared.
+
 This is what ``rate(gpulaunch_steps_total[1m])`` failed: Prometheus divides by the whole minute,
 so through a run's first minute it under-read (119, then 204 steps/s for a run at 558).
 """
@@ -36,6 +42,7 @@ from tests.integration.faultkit import pythonpath
 JOB = "step_rates"
 SECONDS, STEP_S, SAMPLES_PER_STEP = 30, 0.02, 8
 TOLERANCE = 0.10
+BEACON_S = 0.5  # how often a rank writes its beacon (its step count, stamped with its own clock)
 MONITORING_DOC = REPO / "docs" / "monitoring.md"
 
 SPEC = f"""\
@@ -119,7 +126,7 @@ def test_doc_and_dashboard_step_rates_are_right_from_the_third_scrape(tmp_path, 
     checked = [t for t in stepping[2:] if t <= last_step]
     assert len(checked) >= SECONDS - 10, (len(checked), stepping)
 
-    rows, wrong = [], []
+    rows, wrong, transient = [], [], []
     for n, at in enumerate(checked, 3):
         gauge = {r["metric"]["rank"]: float(r["value"][1])
                  for r in prom.api("query", query=f'gpulaunch_steps_per_second{{gpulaunch_job="{JOB}"}}', time=f"{at:.3f}")["result"]}
@@ -127,6 +134,9 @@ def test_doc_and_dashboard_step_rates_are_right_from_the_third_scrape(tmp_path, 
         # them late): the truth is the rank's rate when it had done the steps that scrape counted
         seen_at = {rank: times[int(dict(steps[rank])[at]) - 1] for rank, times in traces.items()}
         truth = {rank: true_rate(times, seen_at[rank]) for rank, times in traces.items()}
+        if _transient(traces, seen_at):
+            transient.append(n)
+            continue
         row = [f"scrape {n:2d} (+{at - stepping[0]:4.1f} s)", "truth " + " ".join(f"{truth[k]:6.2f}" for k in sorted(truth)),
                "gauge " + " ".join(f"{gauge.get(k, float('nan')):6.2f}" for k in sorted(truth)),
                "behind " + " ".join(f"{at - seen_at[k]:4.2f}" for k in sorted(truth))]
@@ -150,4 +160,18 @@ def test_doc_and_dashboard_step_rates_are_right_from_the_third_scrape(tmp_path, 
                 row.append(f"q{q} {got:7.2f}")
         rows.append(" | ".join(row))
     print("\n" + "\n".join(f"q{q}: {source}: {expr}" for q, (source, expr) in enumerate(queries)) + "\n" + "\n".join(rows))
+    print(f"scrapes at a transient, not compared: {transient}")
+    assert len(checked) - len(transient) >= (SECONDS - 10) * 2 // 3, (len(checked), transient)  # most of the run is compared
     assert not wrong, "\n".join(wrong[:40])
+
+
+def _transient(traces: dict[str, list[float]], seen_at: dict[str, float]) -> bool:
+    """Whether a rank's true rate moves by more than the tolerance within one beacon interval of
+    the step a scrape counted: the endpoint knows a rank's count at its beacons only (every
+    BEACON_S, each delivered up to a beacon late), so where the ranks stalled for a second (a busy
+    machine) a window's edge is placed to within that interval, and its rate to within the jump."""
+    for rank, times in traces.items():
+        around = [true_rate(times, seen_at[rank] + d) for d in (-BEACON_S, 0.0, BEACON_S)]
+        if max(around) > (1 + TOLERANCE) * min(around):
+            return True
+    return False
