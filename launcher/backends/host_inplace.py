@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
-from launcher.runtime.inplace import KeeperWord
+from launcher.runtime.inplace import KeeperWord, fallback_record
 
 CONNECT_S = 5.0  # the stage's store is up (every rank joined through it): a launcher that cannot reach it falls back at once
 ASK_S = 0.25  # how often the outcome of a recovery under way is read
@@ -78,10 +78,7 @@ class HostKeeper:
             late = [r for r, a in armed.items() if a is None or int(a.get("gen") or 0) < self.joined.get(r, 0)]
             if late:
                 self.given_up = True
-                gen = word.begun() + 1  # the generation every survivor waits for
-                why = f"rank(s) {late} of {lost_host} had not opted in"
-                word.settle(gen, "declined", {"attempt": self.attempt, "gen": gen, "why": why})
-                return why
+                return str(word.decline(f"rank(s) {late} of {lost_host} had not opted in")["why"])
             claimed = word.claim(self.token)
             if claimed is None:
                 self.given_up = True
@@ -123,12 +120,9 @@ class HostKeeper:
         recovery, self.recovery, self.given_up = self.recovery, None, True
         if recovery is None:
             return None
-        record = {"attempt": self.attempt, "gen": recovery.gen, "in_place": False, "dead_ranks": list(recovery.ranks),
-                  "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why, "stuck": []}  # fmt: skip
+        record = fallback_record(self.attempt, recovery.gen, recovery.ranks, recovery.seen_at, why)
         try:
-            word = self._word()
-            word.settle(recovery.gen, "fallback", record)
-            word.release(self.token)
+            self._word().fall_back(record, self.token)
         except Exception:  # noqa: BLE001 - node 0 gone too: nobody is left waiting on its store
             pass
         return record

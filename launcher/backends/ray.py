@@ -45,7 +45,7 @@ from launcher.protocol import ACTOR_DIED, ENV_RAY_CONNECT, STOP_NOTICE_SIGNAL, R
 from launcher.records import RankExit
 from launcher.hardware.devices import GpuInfo, NodeInventory
 from launcher.backends.ray_sink import RelaySink, Taken
-from launcher.backends.ray_inplace import RayKeeper
+from launcher.backends.ray_inplace import RayKeeper, first_line
 from launcher.runtime.hangdump import gather_as_dicts
 from launcher.runtime.inplace import ENV_GEN, ENV_KEEPER, KEEPER_LAUNCHER
 from launcher.runtime.stepcount import counter_path, read_steps
@@ -461,7 +461,7 @@ class RayStage(StageHandle):
             try:
                 self._probes[rank] = ray.get(ref)
             except RayError as exc:
-                self._fail(f"actor {self.plan.job}-rank{rank} could not start: {_first_line(exc)}")
+                self._fail(f"actor {self.plan.job}-rank{rank} could not start: {first_line(exc)}")
                 return
         if not self._probe_refs:
             self._launch_runs()
@@ -512,7 +512,7 @@ class RayStage(StageHandle):
                 try:
                     relay = self._relays[node_id] = self._make_relay(node_id, ranks)
                 except (RayError, ValueError) as exc:
-                    _log.info("no relay on node %s (%s): a drain per rank there", node_id[:12], _first_line(exc))
+                    _log.info("no relay on node %s (%s): a drain per rank there", node_id[:12], first_line(exc))
             if relay is None:
                 for rank in ranks:
                     self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
@@ -528,7 +528,7 @@ class RayStage(StageHandle):
         try:
             return RelaySink(ray.util.get_node_ip_address())
         except (OSError, RayError) as exc:
-            _log.info("no sink for the relays (%s): their answers over Ray's streams", _first_line(exc))
+            _log.info("no sink for the relays (%s): their answers over Ray's streams", first_line(exc))
             return None
 
     def _start_stream(self, node_id: str) -> None:
@@ -572,10 +572,10 @@ class RayStage(StageHandle):
                 if self._keeper is not None and self._keeper.take(rank, self._actors, str(exc), self._steps_at_death(rank)):
                     continue  # a new actor takes its place; the survivors wait for it (``ray_inplace``)
                 self._died_of(rank, str(exc))
-                self._fail(f"actor {self.plan.job}-rank{rank} died: {_first_line(exc)}")
+                self._fail(f"actor {self.plan.job}-rank{rank} died: {first_line(exc)}")
             except RayTaskError as exc:  # run_rank never raises for job errors: a launcher bug
                 self._died_of(rank, str(exc))
-                self._fail(f"actor {self.plan.job}-rank{rank} raised: {_first_line(exc)}")
+                self._fail(f"actor {self.plan.job}-rank{rank} raised: {first_line(exc)}")
             else:
                 self.emit(RankReported(self._reports[rank]))
         if any(not r.ok for r in self._reports.values()) and self._state != "failed":
@@ -648,7 +648,7 @@ class RayStage(StageHandle):
         self._died[rank] = detail
         host = self._host(rank)
         self.emit(RankExited(RankExit(rank=rank, exitcode=None, host=host)),
-                  RanksLost((rank,), host, ACTOR_DIED, _first_line(detail), traceback=detail))  # fmt: skip
+                  RanksLost((rank,), host, ACTOR_DIED, first_line(detail), traceback=detail))  # fmt: skip
 
     def _host(self, rank: int) -> str:
         return self.plan.ranks[rank].host
@@ -735,7 +735,7 @@ class RayStage(StageHandle):
             with contextlib.suppress(Exception):
                 ray.kill(relay, no_restart=True)
         live = [r for r in self._node_ranks.get(node_id, []) if r not in self._died and r not in self._reports]
-        _log.info("the relay of node %s is gone (%s): a drain per rank there", node_id[:12], _first_line(exc))
+        _log.info("the relay of node %s is gone (%s): a drain per rank there", node_id[:12], first_line(exc))
         if not final:
             for rank in live:
                 self._drains[self._actors[rank].drain.remote(DRAIN_WAIT_S)] = rank
@@ -823,7 +823,7 @@ class RayStage(StageHandle):
             try:
                 found += [RankEvidence.from_dict(e) for e in ray.get(ref, timeout=EVIDENCE_TIMEOUT_S)]
             except (RayError, TimeoutError) as exc:
-                found += [RankEvidence(r, self._host(r), None, "unknown", "none", note=f"not gathered: {_first_line(exc)}") for r in ranks]
+                found += [RankEvidence(r, self._host(r), None, "unknown", "none", note=f"not gathered: {first_line(exc)}") for r in ranks]
         return sorted(found, key=lambda e: e.rank)
 
     def signal_ranks(self, signum: int) -> None:
@@ -875,14 +875,6 @@ def _actor_exists(name: str) -> bool:
     except RayError:
         return False
     return True
-
-
-def _first_line(exc: Any) -> str:
-    text = str(exc).strip()
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()[:500]
-    return type(exc).__name__
 
 
 def _bundle(device_type: str, ranks_per_gpu: int = 1) -> dict[str, float]:

@@ -30,7 +30,7 @@ import ray
 from ray.exceptions import RayError
 
 from launcher.procutil import write_json_atomic
-from launcher.runtime.inplace import fallback_path, folder
+from launcher.runtime.inplace import fallback_path, fallback_record, folder
 
 CLAIM_S = 10.0  # rank 0's answer to the claim (a few store round trips; a loaded machine is slower)
 ASK_S = 0.25  # how often the outcome of a recovery under way is asked for
@@ -79,7 +79,7 @@ class RayKeeper:
             answer = ray.get(actors[0].keeper.remote("claim", claim), timeout=CLAIM_S)
         except (RayError, TimeoutError) as exc:
             self.given_up = True
-            self.log(f"gpulaunch: rank {rank}'s actor died; not recovered in place (the stage's store did not answer: {_first_line(exc)})")
+            self.log(f"gpulaunch: rank {rank}'s actor died; not recovered in place (the stage's store did not answer: {first_line(exc)})")
             return False
         if "declined" in answer:
             self.given_up = True
@@ -89,10 +89,10 @@ class RayKeeper:
         try:
             self.respawn(rank, gen)
         except (RayError, ValueError) as exc:
-            self.give_up(actors, f"no new actor for rank {rank}: {_first_line(exc)}")
+            self.give_up(actors, f"no new actor for rank {rank}: {first_line(exc)}")
             return False
         self.joined[rank] = gen
-        self.log(f"gpulaunch: rank {rank}'s actor died ({_first_line(detail)}); replaced in place by a new actor, generation {gen}")
+        self.log(f"gpulaunch: rank {rank}'s actor died ({first_line(detail)}); replaced in place by a new actor, generation {gen}")
         return True
 
     def poll(self, actors: Sequence[Any]) -> tuple[int, str] | None:
@@ -125,17 +125,17 @@ class RayKeeper:
         recovery, self.recovery, self.given_up = self.recovery, None, True
         if recovery is None:
             return
-        record = {"attempt": self.attempt, "gen": recovery.gen, "in_place": False, "dead_ranks": [recovery.rank],
-                  "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why, "stuck": []}  # fmt: skip
+        record = fallback_record(self.attempt, recovery.gen, [recovery.rank], recovery.seen_at, why)
         write_json_atomic(fallback_path(self.root, recovery.gen), record, durable=False)
         try:
             ray.get(actors[0].keeper.remote("fall_back", {"attempt": self.attempt, "gen": recovery.gen, "token": self.token, "record": record}),
                     timeout=CLAIM_S)  # fmt: skip
         except (RayError, TimeoutError) as exc:  # rank 0 is gone: nobody is left waiting on its store
-            _log.info("the fallback of generation %d not told to the store: %s", recovery.gen, _first_line(exc))
+            _log.info("the fallback of generation %d not told to the store: %s", recovery.gen, first_line(exc))
         self.log(f"gpulaunch: generation {recovery.gen} not recovered in place ({why}): the restart path")
 
 
-def _first_line(exc: Any) -> str:
+def first_line(exc: Any) -> str:
+    """The first line of an error's text (a Ray error's runs to a whole traceback), or its type."""
     text = str(exc).strip()
-    return next((line.strip()[:300] for line in text.splitlines() if line.strip()), type(exc).__name__)
+    return next((line.strip()[:500] for line in text.splitlines() if line.strip()), type(exc).__name__)

@@ -38,7 +38,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import PEER_LOSS
@@ -121,6 +121,7 @@ class KeeperWord:
 
     def __init__(self, store: Any, attempt: int) -> None:
         self.store = store
+        self.attempt = attempt
         self.prefix = f"gpulaunch/in_place/a{attempt}"
 
     def _key(self, name: str) -> str:
@@ -141,6 +142,20 @@ class KeeperWord:
 
     def release(self, token: str) -> None:
         self.store.compare_set(self._key("busy"), token, "")
+
+    def decline(self, why: str) -> dict[str, Any]:
+        """No replacement is coming for a loss (a job error, a rank that had not opted in): the
+        generation every survivor waits for settled ``declined``, so they stop waiting; its record."""
+        gen = self.begun() + 1  # the generation every survivor, on any host, waits for
+        record = {"attempt": self.attempt, "gen": gen, "why": why}
+        self.settle(gen, "declined", record)
+        return record
+
+    def fall_back(self, record: Mapping[str, Any], token: str) -> None:
+        """The keeper ``token`` gives its generation up (``fallback_record``): the survivors on
+        every host stop waiting, and the next loss may be claimed."""
+        self.settle(int(record["gen"]), "fallback", record)
+        self.release(token)
 
     def arm(self, rank: int, record: Mapping[str, Any]) -> None:
         """Rank ``rank`` opted in (its pid, ``wait_s``, the generation it joined): for a keeper
@@ -174,6 +189,13 @@ class KeeperWord:
 
     def outcome(self, gen: int) -> dict[str, Any] | None:
         return self._read(f"gen{gen}/outcome")
+
+
+def fallback_record(attempt: int, gen: int, dead_ranks: Sequence[int], died_at: float, why: str, stuck: Sequence[str] = ()) -> dict[str, Any]:
+    """Generation ``gen``'s loss not recovered in place: the restart path's record of it
+    (``gen<k>.fallback.json``, the store's outcome, ``recoveries[]`` in result.json)."""
+    return {"attempt": attempt, "gen": gen, "in_place": False, "dead_ranks": list(dead_ranks), "died_at": died_at,
+            "fallback_at": time.time(), "why": why, "stuck": list(stuck)}  # fmt: skip
 
 
 def socket_fds() -> dict[int, str]:

@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 from launcher.procutil import read_json, write_json_atomic
 from launcher.protocol import StagePaths
-from launcher.runtime.inplace import KeeperWord, armed_path, death_path, declined_path, fallback_path, folder, joining_args
+from launcher.runtime.inplace import KeeperWord, armed_path, death_path, declined_path, fallback_path, fallback_record, folder, joining_args
 from launcher.runtime.stepcount import counter_path, read_steps
 
 CONNECT_S = 10.0  # the keeper's connection to the stage's store (up already: the ranks joined through it)
@@ -207,11 +207,8 @@ class Keeper:
     def _decline(self, why: str) -> None:
         self.given_up = True
         if self.root.is_dir():  # only where ranks opted in: elsewhere nobody waits
-            word = self._word()
-            gen = word.begun() + 1  # the generation every survivor, on any host, waits for
-            record = {"attempt": self.attempt, "gen": gen, "why": why}
-            write_json_atomic(declined_path(self.root, gen), record, durable=False)
-            word.settle(gen, "declined", record)
+            record = self._word().decline(why)
+            write_json_atomic(declined_path(self.root, record["gen"]), record, durable=False)
 
     def _fork(self, context: Any, item: _Lost, gen: int) -> Any:
         """The lost rank again, from the rank server: torch's own target and arguments, its
@@ -366,13 +363,10 @@ class Keeper:
             self.renamed[replacement.pid] = item.original.pid
         for kept, place in recovery.aside:
             shutil.copyfile(kept, place)
-        record = {"attempt": self.attempt, "gen": recovery.gen, "in_place": False, "dead_ranks": [x.rank for x in recovery.lost],
-                  "died_at": recovery.seen_at, "fallback_at": time.time(), "why": why, "stuck": stuck}  # fmt: skip
+        record = fallback_record(self.attempt, recovery.gen, [x.rank for x in recovery.lost], recovery.seen_at, why, stuck)
         write_json_atomic(fallback_path(self.root, recovery.gen), record, durable=False)
         self.recovery, self.given_up = None, True
-        word = self._word()
-        word.settle(recovery.gen, "fallback", record)  # the survivors on every host stop waiting
-        word.release(self.token)
+        self._word().fall_back(record, self.token)  # the survivors on every host stop waiting
         self._log(f"gpulaunch-keeper: generation {recovery.gen} not recovered in place ({why}): the restart path")
         for line in stuck:
             self._log(f"gpulaunch-keeper:   {line}")

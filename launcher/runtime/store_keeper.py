@@ -39,10 +39,7 @@ def claim(attempt: int, rank: int, joined: int, seen_at: float, token: str, pid:
     word = _word(attempt)
     armed = word.armed(rank)
     if armed is None or armed.get("gen") != joined or (pid is not None and armed.get("pid") != pid):
-        why = f"rank {rank} ended, not opted in"
-        gen = word.begun() + 1  # the generation every survivor waits for
-        word.settle(gen, "declined", {"attempt": attempt, "gen": gen, "why": why})
-        return {"declined": why}
+        return {"declined": word.decline(f"rank {rank} ended, not opted in")["why"]}
     claimed = word.claim(token)
     if claimed is None:
         return {"declined": f"rank {rank} lost while another recovery is under way"}
@@ -62,9 +59,7 @@ def outcome(attempt: int, gen: int) -> dict[str, Any] | None:
 
 def fall_back(attempt: int, gen: int, token: str, record: dict[str, Any]) -> None:
     """Generation ``gen`` is given up: the survivors stop waiting, the restart path runs."""
-    word = _word(attempt)
-    word.settle(gen, "fallback", record)
-    word.release(token)
+    _word(attempt).fall_back({**record, "gen": gen}, token)
 
 
 def release(attempt: int, token: str) -> None:

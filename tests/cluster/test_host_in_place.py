@@ -18,27 +18,11 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import REPO, NetnsCluster
+from tests.cluster.conftest import NetnsCluster
+from tests.cluster.test_in_place_multihost import HANG_GUARD_S, in_place_spec
 from tests.cluster.test_multihost import assert_clean
 
 pytestmark = pytest.mark.slow
-
-HANG_GUARD_S = 400
-
-
-def _spec(tmp: Path, name: str, **params: Any) -> Path:
-    spec = {
-        "name": name,
-        "entrypoint": "tests.integration.in_place_job:run",
-        "params": {"steps": 30, "checkpoint_every": 10, "marker": str(tmp / f"{name}.stalled"), **params},
-        "resources": {"nodes": 2, "cpu_workers": 2},
-        "env": {"PYTHONPATH": str(REPO)},
-        "max_restarts": 1,
-        "timeouts": {"rendezvous_s": 120, "run_s": HANG_GUARD_S},
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(json.dumps(spec))
-    return path
 
 
 def _result(out: Path, name: str) -> dict[str, Any]:
@@ -56,7 +40,7 @@ def test_a_lost_host_is_recovered_in_place_on_the_spare_host(netns_cluster: Netn
     h1, h2, h3 = cluster.hosts[:3]
     two = cluster.cluster_yaml(tmp_path / "two.yaml", hosts=[h1, h2])
     out = cluster.out_dir(f"{tmp_path.name}-clean")
-    done = cluster.launch(str(_spec(tmp_path, "clean")), "--cluster", str(two), "--out", str(out), "--no-metrics", timeout=HANG_GUARD_S + 60)
+    done = cluster.launch(str(in_place_spec(tmp_path, "clean", tmp_path / "clean.stalled")), "--cluster", str(two), "--out", str(out), "--no-metrics", timeout=HANG_GUARD_S + 60)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     uninterrupted = _result(out, "clean")
     assert_clean(cluster)
@@ -64,7 +48,7 @@ def test_a_lost_host_is_recovered_in_place_on_the_spare_host(netns_cluster: Netn
     with_spare = cluster.cluster_yaml(tmp_path / "spare.yaml", hosts=[h1, h2, h3])  # resources.nodes: 2, so h3 stands by
     out = cluster.out_dir(f"{tmp_path.name}-lost")
     marker = tmp_path / "lost.stalled"
-    proc = cluster.popen_launch(str(_spec(tmp_path, "lost", stall_at=17, victim=2)), "--cluster", str(with_spare), "--out", str(out),
+    proc = cluster.popen_launch(str(in_place_spec(tmp_path, "lost", tmp_path / "lost.stalled", stall_at=17, victim=2)), "--cluster", str(with_spare), "--out", str(out),
                                 "--no-metrics", stdout=-1, stderr=-2)  # fmt: skip
     try:
         deadline = time.monotonic() + HANG_GUARD_S

@@ -24,20 +24,28 @@ pytestmark = pytest.mark.slow
 HANG_GUARD_S = 400
 
 
-def _run(cluster: NetnsCluster, tmp: Path, name: str, **params: Any) -> dict[str, Any]:
+def in_place_spec(tmp: Path, name: str, marker: Path, **params: Any) -> Path:
+    """``in_place_job.py`` on 2 hosts x 2 ranks, one restart allowed: its spec file, ``marker``
+    outside the hosts' private run roots (the fault's own record)."""
     spec = {
         "name": name,
         "entrypoint": "tests.integration.in_place_job:run",
-        "params": {"steps": 30, "checkpoint_every": 10, "marker": str(tmp / f"{name}.killed"), **params},
+        "params": {"steps": 30, "checkpoint_every": 10, "marker": str(marker), **params},
         "resources": {"nodes": 2, "cpu_workers": 2},
         "env": {"PYTHONPATH": str(REPO)},
         "max_restarts": 1,
         "timeouts": {"rendezvous_s": 120, "run_s": HANG_GUARD_S},
     }
-    (tmp / f"{name}.yaml").write_text(json.dumps(spec))
+    path = tmp / f"{name}.yaml"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def _run(cluster: NetnsCluster, tmp: Path, name: str, **params: Any) -> dict[str, Any]:
+    spec = in_place_spec(tmp, name, tmp / f"{name}.killed", **params)
     cfg = cluster.cluster_yaml(tmp / "cluster.yaml", hosts=cluster.hosts[:2])
     out = cluster.out_dir(f"{tmp.name}-{name}")
-    done = cluster.launch(str(tmp / f"{name}.yaml"), "--cluster", str(cfg), "--out", str(out), "--no-metrics", timeout=HANG_GUARD_S + 60)
+    done = cluster.launch(str(spec), "--cluster", str(cfg), "--out", str(out), "--no-metrics", timeout=HANG_GUARD_S + 60)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     (run_dir,) = (out / name).iterdir()
     result: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
