@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    REPO, base_parser, bench_env, fmt, machine_info, rotate, run_timed, summary, tool, write_result,
+    REPO, base_parser, bench_env, fmt, machine_info, rotate, run_timed, summary, launch_cli, write_result,
 )
 
 JOB = str(REPO / "jobs" / "matmul_scaling.yaml")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         python_floor = [run_timed([sys.executable, "-c", "pass"], cwd=cwd).wall_s for _ in range(reps)]
         for k in range(reps + 1):  # k == 0 is an untimed warm-up
             for name in rotate(list(COMMANDS), k):
-                done = run_timed([tool("launch"), *COMMANDS[name]], env=bench_env(), cwd=cwd, timeout_s=60)
+                done = run_timed([*launch_cli(), *COMMANDS[name]], env=bench_env(), cwd=cwd, timeout_s=60)
                 rcs[name] = done.rc
                 if k:
                     times[name].append(done.wall_s)

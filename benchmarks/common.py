@@ -33,6 +33,14 @@ def tool(name: str) -> str:
     return str(local) if local.exists() else (shutil.which(name) or name)
 
 
+def launch_cli() -> list[str]:
+    """The ``launch`` command as a user types it where the package is installed; where it is not
+    (the GPU machine: the launcher on PYTHONPATH, no console script) the same CLI as a module."""
+    local = BIN / "launch"
+    found = str(local) if local.exists() else shutil.which("launch")
+    return [found] if found else [sys.executable, "-m", "launcher"]
+
+
 def bench_env(extra: Mapping[str, str] | None = None, *, pythonpath: str | None = None) -> dict[str, str]:
     """The children's environment: the repository on PYTHONPATH (so ``benchmarks.*`` entrypoints
     import from any working directory), optionally another checkout in front of it."""

@@ -29,6 +29,10 @@
 #
 # Dry run (this script's own plumbing, on a CPU build): GPU_SESSION_DRY=1 bash benchmarks/gpu_session.sh
 # (also taken when nvidia-smi finds no GPU): every step, on the CPU, with small sizes.
+# A rerun of some steps in the same lease: GPU_SESSION_STEPS="pytest_gpu startup_world1" (names as in
+# summary.txt) and a smaller GPU_SESSION_BUDGET_S. $OUT ends with at most 5 files (the device tool
+# brings back 8): summary.txt, BENCHMARKS-gpu-section.md, the two selftest reports, and
+# session.tar.gz with all of it, every step's log and JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 REPO=$PWD
@@ -40,6 +44,9 @@ BUDGET_S=${GPU_SESSION_BUDGET_S:-470}
 RESERVE_S=20  # kept for the rendering and the summary at the end
 SUMMARY=$OUT/summary.txt
 RUNS=$(mktemp -d /tmp/gpu-session-runs.XXXXXX)
+# a rerun within the same lease: only the steps named here (the wheels, machine and imports always run)
+ONLY=${GPU_SESSION_STEPS:-}
+[ -n "$ONLY" ] && ONLY="wheels machine imports $ONLY"
 MARK=gpu-session-$$-$RANDOM  # every step's processes carry GPU_SESSION_MARK=$MARK: leftovers are found by it, killed by pid
 export PYTHONUNBUFFERED=1
 
@@ -73,6 +80,10 @@ sweep() {  # SIGKILL, by pid, whatever a step left behind (its processes carry t
 step() {
   local name=$1 limit=$2 left rc t1 t2 secs
   shift 2
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
+    record "$name" skip 0 "$limit" "not chosen (GPU_SESSION_STEPS=$ONLY)"
+    return 0
+  fi
   left=$(( BUDGET_S - RESERVE_S - ($(date +%s) - T0) ))
   if [ "$left" -lt 15 ]; then
     record "$name" skip 0 "$limit" "not run: ${left}s left of the ${BUDGET_S}s budget"
@@ -173,8 +184,10 @@ STEP_STDOUT=$OUT/selftest.json step selftest 180 "$PY" -m launcher selftest "$LE
 
 XDIST=()
 if [ "$DRY" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 4); fi
-step pytest_gpu 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs "${XDIST[@]}" --junitxml="$OUT/pytest_gpu.xml" \
+# -rP: each passed test's output too (the in-place tests print their recovery's figures)
+step pytest_gpu 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEsP "${XDIST[@]}" --junitxml="$OUT/pytest_gpu.xml" \
   tests/gpu tests/benchmarks/test_recorder_gpu.py
+grep -h "recovery in place on the GPU" "$OUT/logs/pytest_gpu.log" 2>/dev/null | sort -u | sed 's/^/  figure: /' >> "$SUMMARY"
 step pytest_harness 90 "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_harness_env.py
 
 # --- the GPU benchmarks, sized to fit ---------------------------------------------------------
@@ -226,4 +239,9 @@ for name in $failed; do
   log="$OUT/logs/$name.log"
   [ -f "$log" ] && { echo; echo "--- tail of $log"; tail -n 25 "$log"; }
 done
+# the device tool brings back 8 files at most: everything goes into one archive, and the few a
+# session reads first stay beside it (tar xzf session.tar.gz for the logs and every JSON)
+tar czf "$RUNS.tar.gz" -C "$OUT" . && mv "$RUNS.tar.gz" "$OUT/session.tar.gz"
+find "$OUT" -mindepth 1 -maxdepth 1 ! -name session.tar.gz ! -name summary.txt ! -name BENCHMARKS-gpu-section.md \
+  ! -name selftest.json ! -name selftest-shared.json -exec rm -rf {} +
 [ -z "$failed" ]

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, base_parser, bench_env, machine_info, run_timed, tool, write_result  # noqa: E402
+from benchmarks.common import REPO, base_parser, bench_env, machine_info, run_timed, launch_cli, write_result  # noqa: E402
 
 JOBS = {"entrypoint": REPO / "benchmarks" / "jobs" / "allreduce.yaml", "script": REPO / "benchmarks" / "jobs" / "allreduce_script.yaml"}
 TIMEOUT_S = 120
@@ -58,7 +58,7 @@ def one_run(job: Path, work: Path) -> dict[str, Any]:
     env = bench_env({"BENCH_STAMP_DIR": str(work)})
     # a module compiled afresh in every run (no .pyc written) would be charged to the launcher's start
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    done = run_timed([tool("launch"), str(job), "--quiet", "--out", str(out)], env=env, timeout_s=TIMEOUT_S, cwd=work)
+    done = run_timed([*launch_cli(), str(job), "--quiet", "--out", str(out)], env=env, timeout_s=TIMEOUT_S, cwd=work)
     if done.rc != 0:
         raise RuntimeError(f"{job.name}: exit {done.rc}{' (timeout)' if done.timed_out else ''}: {done.output[-1500:]}")
     (found,) = sorted(out.glob("*/*/result.json"))

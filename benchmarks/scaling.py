@@ -25,13 +25,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    REPO, base_parser, bench_env, fmt, has_gpu, machine_info, ratio, run_timed, summary, tool, write_result,
+    REPO, base_parser, bench_env, fmt, has_gpu, machine_info, ratio, run_timed, summary, launch_cli, write_result,
 )
 
 
 def one_run(sizes: list[int], iters: int, workers: list[int], cuda: bool, work: Path) -> list[dict[str, Any]]:
     dev = ["--set", "resources.device=cuda"] if cuda else ["--set", "resources.device=cpu"]
-    argv = [tool("launch"), str(REPO / "jobs" / "matmul_scaling.yaml"), "--quiet", "--out", str(work / "runs"),
+    argv = [*launch_cli(), str(REPO / "jobs" / "matmul_scaling.yaml"), "--quiet", "--out", str(work / "runs"),
             "--set", f"scaling.workers={workers}", "--set", f"params.sizes={sizes}", "--set", f"params.iters={iters}", *dev]
     done = run_timed(argv, env=bench_env(), cwd=work, timeout_s=900)
     if done.rc != 0:

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
     REPO, base_parser, bench_env, fmt, kill_group, kill_matching, machine_info, ratio, rotate, run_timed, summary,
-    tool, write_result,
+    launch_cli, tool, write_result,
 )
 
 JOB = REPO / "benchmarks" / "jobs" / "allreduce.yaml"
@@ -140,7 +140,7 @@ def make_launch(backend: str, device: str, extra_env: dict[str, str] | None = No
             extra.update(_bench_env(device, ranks_per_gpu, stamps))
         env = bench_env(extra, pythonpath=pythonpath)
         # a variant's checkout may lay the package out differently: run its own CLI (`python -m launcher`)
-        cli = [sys.executable, "-m", "launcher"] if pythonpath else [tool("launch")]
+        cli = [sys.executable, "-m", "launcher"] if pythonpath else launch_cli()
         argv = [*cli, str(job), "--backend", backend, "--quiet", *_job_args(device, world, ranks_per_gpu), *extra_args]
         return _launch_record(argv, env, work, stamps)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from launcher.evidence import CollectiveCall, RankEvidence, StackFrame, is_job_code
 from launcher.policies import HangPolicy
@@ -141,6 +141,8 @@ def diagnose(stall: Stall, evidence: Sequence[RankEvidence], slots: Sequence[Ran
     top = max(seqs, default=None)
     majority = _majority_call(evidence, top)
     culprits = [found for e in sorted(evidence, key=lambda e: e.rank) if (found := _culprit(e, top, majority, devices.get(e.rank, "?"), stall)) is not None]
+    if not culprits and majority is None:
+        culprits = _disagreeing(evidence, top, devices)
     if not culprits:  # the evidence names nobody apart: the ranks the watch saw stop, by their place
         culprits = [_stalled_only(m, by_rank.get(m.rank), devices.get(m.rank, "?")) for m in stall.ranks if stall.kind != "all still"]
     groups = _groups(evidence, top, majority)
@@ -177,6 +179,28 @@ def _culprit(e: RankEvidence, top: int | None, majority: CollectiveCall | None, 
     else:
         return None
     return HangCulprit(e.rank, e.host, device, why, where, file, line, seq)
+
+
+def _disagreeing(evidence: Sequence[RankEvidence], top: int | None, devices: Mapping[int, str]) -> list[HangCulprit]:
+    """Where no collective has a majority as number ``top`` (two ranks, two collectives: one
+    skipped a call, but which one cannot be told from the calls alone), every rank in it is named
+    with its own call and line beside the others': the user reads which one strayed."""
+    calls = {e.rank: last for e in evidence if (last := e.last_collective) is not None and last.seq == top}
+    kinds: dict[tuple[str, tuple[tuple[int, ...], ...]], list[int]] = {}
+    for rank, call in sorted(calls.items()):
+        kinds.setdefault((call.op, call.sizes), []).append(rank)
+    if len(kinds) < 2:
+        return []
+    named = []
+    for e in sorted((e for e in evidence if e.rank in calls), key=lambda e: e.rank):
+        mine = calls[e.rank]
+        others = "; ".join(f"{_ranks(ranks)} {'are' if len(ranks) > 1 else 'is'} in {calls[ranks[0]].op} {_shapes(calls[ranks[0]])}"
+                           for key, ranks in kinds.items() if key != (mine.op, mine.sizes))  # fmt: skip
+        frame = job_frame(e)
+        where, file, line = (frame.where(), frame.filename, frame.line) if frame else ("", "", 0)
+        named.append(HangCulprit(e.rank, e.host, devices.get(e.rank, "?"), f"is in {mine.op} {_shapes(mine)} as #{top} where {others}",
+                                 where, file, line, top))  # fmt: skip
+    return named
 
 
 def _stalled_only(m: StalledRank, e: RankEvidence | None, device: str) -> HangCulprit:

@@ -21,11 +21,14 @@ from launcher.workloads.stats import num
 # The fraction of its limit a figure of a healthy node reaches (public measurements: 70-80% of the
 # dense bf16 peak for large square products on H100 SXM, 85-90% of PCIe for pinned copies, 70-80%
 # of NVLink for NCCL's all-reduce bus bandwidth where NVLink joins every pair). Below it the figure
-# is flagged "LOW". An all-reduce over GPUs that NVLink does not join all to all is shown against
+# is flagged "LOW". bf16 at 0.60, not 0.70: a healthy H200 SXM on its default 700 W cap made
+# 675-678 TFLOP/s of 989 (68-69%, the power cap reached in every sample, a hand cuBLAS loop the same;
+# gpu_session.sh, 2026-11-28): dense bf16 products are power-bound on these parts, and a node that is
+# really slow (a lowered power limit, heat, a degraded link) is well below 0.60. An all-reduce over GPUs that NVLink does not join all to all is shown against
 # its link, not judged: the host's path (PCIe switches, the CPUs' link) sets its pace. Nor is one
 # over gloo on CUDA tensors (ranks sharing a GPU): it goes through host memory, not NVLink.
 EXPECTED: dict[str, float] = {
-    "matmul_bf16": 0.70,
+    "matmul_bf16": 0.60,
     "matmul_fp32": 0.60,
     "h2d_pinned": 0.75,
     "d2h_pinned": 0.75,

@@ -30,16 +30,24 @@ def caller_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     site = tmp_path / "site"
     site.mkdir()
     (site / f"{MODULE}.py").write_text("import os\n\ndef run(ctx):\n    return {'found_at': __file__, 'rank': ctx.rank}\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), "/nonexistent/other-entry"]))
+    # in front of what this process already has, which stays: on the GPU machine that is /tmp/site
+    # with pydantic, and a child without it cannot start the launcher at all
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), "/nonexistent/other-entry", *_callers_entries()]))
     return site
 
 
+def _callers_entries() -> list[str]:
+    return [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+
+
 def test_every_child_env_puts_the_repository_first_and_keeps_the_callers_entries(caller_site: Path, tmp_path: Path) -> None:
-    expected = os.pathsep.join([str(REPO), str(caller_site), "/nonexistent/other-entry"])
+    entries = list(dict.fromkeys([str(REPO), *_callers_entries()]))  # the repository first, each entry once
+    assert entries[1:3] == [str(caller_site), "/nonexistent/other-entry"]
+    expected = os.pathsep.join(entries)
     assert child_env()["PYTHONPATH"] == expected
     assert pythonpath() == expected
     assert pythonpath(tmp_path) == os.pathsep.join([str(tmp_path), expected])  # the front first, nothing twice
-    assert pythonpath(REPO, tmp_path).split(os.pathsep) == [str(REPO), str(tmp_path), str(caller_site), "/nonexistent/other-entry"]
+    assert pythonpath(REPO, tmp_path).split(os.pathsep) == [str(REPO), str(tmp_path), *entries[1:]]
     assert pythonpath(base="") == str(REPO)  # nothing inherited: no empty entry (that would mean the working directory)
     spec = yaml.safe_load(write_spec(tmp_path).read_text())
     assert spec["env"]["PYTHONPATH"] == expected  # what the ranks get from the spec keeps it too

@@ -66,7 +66,9 @@ def test_quick_selftest_with_two_ranks_sharing_one_gpu(tmp_path):
     checks: dict[str, list] = {}
     for c in report["checks"]:
         checks.setdefault(c["check"], []).append(c)
-    assert len(checks["placement"]) == 2 and all(c["passed"] for c in checks["placement"]), checks["placement"]
+    # each rank on the GPU it was given, and both on the one GPU, as ranks_per_gpu=2 asks
+    assert len(checks["placement"]) == 3 and all(c["passed"] for c in checks["placement"]), checks["placement"]
+    assert "ranks 0, 1 share GPU-" in checks["placement"][-1]["detail"], checks["placement"]
     assert all(c["passed"] for c in checks["recorder_syncs"]), checks["recorder_syncs"]
     figures = {(f["check"], f["rank"]): f for f in report["figures"]}
     assert figures[("allreduce_node", 0)]["value"] > 0

@@ -172,12 +172,20 @@ def test_where_the_recorder_tracks_completion_the_first_pending_call_is_the_rank
     assert gloo.last_collective is not None and gloo.last_collective.seq == 6
 
 
-def test_two_ranks_in_two_collectives_single_out_neither():
+def test_two_ranks_in_two_collectives_are_both_named_with_their_calls_and_lines():
+    """No majority (two ranks, two collectives as #12): which one skipped a call cannot be told
+    from the calls, so each is named with its own call and line beside the other's."""
     evidence = [ev(0, WAITING, seq=12), ev(1, [("run", JOB, 40, "dist.broadcast(x)")], seq=12, op="broadcast", sizes=((1,),))]
     d = diagnose(stall_of(range(2)), evidence, slots(2))
-    assert d.culprits == ()
+    assert [(c.rank, c.line) for c in d.culprits] == [(0, 95), (1, 40)]
+    assert d.culprits[0].why == "is in all_reduce [8] as #12 where rank 1 is in broadcast [1]"
+    assert d.culprits[1].why == "is in broadcast [1] as #12 where rank 0 is in all_reduce [8]"
     assert sorted((g.ranks, g.collective) for g in d.groups) == [((0,), "all_reduce #12"), ((1,), None)]
-    assert d.summary.startswith("no rank stands out")
+    assert d.summary.startswith("rank 0 on h0 (cpu) is in all_reduce [8] as #12 where rank 1 is in broadcast [1]")
+    assert "rank 1 on h0 (cpu) is in broadcast [1] as #12 where rank 0 is in all_reduce [8] — it is at train.py:40" in d.summary
+    # all at the same call as #12: still nobody
+    same = [ev(0, WAITING, seq=12), ev(1, WAITING, seq=12)]
+    assert diagnose(stall_of(range(2)), same, slots(2)).culprits == ()
 
 
 def test_a_slow_start_up_is_not_counted_as_stillness():

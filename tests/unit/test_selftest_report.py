@@ -202,3 +202,21 @@ def test_every_level_is_a_valid_params_value_and_quick_is_the_smallest():
         assert Params.model_validate({"level": name}).level == name
     assert LEVELS["quick"].trials <= LEVELS["default"].trials <= LEVELS["full"].trials
     assert max(LEVELS["quick"].matmul_n) <= max(LEVELS["full"].matmul_n)
+
+
+def test_a_healthy_h200_on_its_power_cap_passes_and_a_slow_one_does_not():
+    """The figure of a real H200 SXM (one GPU, its NVML answers recorded by gpu_session.sh on
+    2026-11-28): 677.8 TFLOP/s bf16, 69% of the datasheet's 989, every sample on the 700 W cap, a
+    hand cuBLAS loop the same. That is a healthy part, not a LOW one; half of it is."""
+    inv = inventory(recording("h200_sxm_1gpu"))
+    assert inv["gpus"][0]["name"] == "NVIDIA H200"
+
+    def judged(tflops: float) -> dict[str, Any]:
+        rank = gpu_rank(0, inv, [figure("matmul_bf16", 0, tflops, "TFLOP/s", "cuda:0")])
+        rank["world_size"] = 1
+        return summarize(stage([rank], flagged=[]), {"level": "full"})
+
+    healthy, slow = judged(677.8), judged(480.0)
+    (row,) = rows_by(healthy, "matmul_bf16")
+    assert row["limit"] == pytest.approx(989.4) and row["fraction"] == pytest.approx(677.8 / 989.4) and row["verdict"] == "ok"
+    assert [r["verdict"] for r in rows_by(slow, "matmul_bf16")] == ["LOW"] and slow["passed"] is False
