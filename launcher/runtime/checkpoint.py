@@ -665,23 +665,40 @@ def host_copy(value: Any, reuse: Any = None) -> Any:
     ``reuse``: an earlier copy of a state of the same layout that nothing reads any more (the
     previous background write's, published): each tensor is copied into its counterpart where
     shape, dtype and strides match, instead of into new memory, whose first touch (a page fault
-    per page) is most of a copy: 0.15 s against 0.04-0.06 s for 301.6 MB here."""
+    per page) is most of a copy: 0.15 s against 0.04-0.06 s for 301.6 MB here.
+
+    A CUDA tensor goes to pinned host memory (kept from save to save through ``reuse``), all the
+    device's copies queued at once and waited for once, at the end: pageable memory halves the
+    copy's speed and makes each copy wait for the last (PCIe5: 55 against 15 GB/s on an H200)."""
     import torch
 
+    devices: set[Any] = set()
+    copied = _host_copy(torch, value, reuse, devices)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    return copied
+
+
+def _host_copy(torch: Any, value: Any, reuse: Any, devices: set[Any]) -> Any:
     if isinstance(value, torch.Tensor):
-        if _same_layout(reuse, value):
-            return reuse.copy_(value.detach())
-        return value.detach().to("cpu", copy=True)
+        data = value.detach()
+        if data.is_cuda:
+            devices.add(data.device)
+            target = reuse if _same_layout(reuse, data) and reuse.is_pinned() else torch.empty_like(data, device="cpu", pin_memory=True)
+            return target.copy_(data, non_blocking=True)
+        if _same_layout(reuse, data):
+            return reuse.copy_(data)
+        return data.to("cpu", copy=True)
     if isinstance(value, Mapping):
         old = reuse if isinstance(reuse, Mapping) else {}
-        pairs = [(k, host_copy(v, old.get(k))) for k, v in value.items()]
+        pairs = [(k, _host_copy(torch, v, old.get(k), devices)) for k, v in value.items()]
         copied = OrderedDict(pairs) if isinstance(value, OrderedDict) else dict(pairs)
         if hasattr(value, "_metadata"):  # a module's state_dict: its versions, which load_state_dict reads
             copied._metadata = value._metadata  # type: ignore[attr-defined]
         return copied
     if isinstance(value, (list, tuple)):
         earlier = list(reuse) if isinstance(reuse, (list, tuple)) and len(reuse) == len(value) else [None] * len(value)
-        items = [host_copy(v, r) for v, r in zip(value, earlier)]
+        items = [_host_copy(torch, v, r, devices) for v, r in zip(value, earlier)]
         if isinstance(value, list):
             return items
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)

@@ -548,9 +548,10 @@ class InPlace:
 
     def _arm(self) -> None:
         """Tell the keeper this rank may be replaced in place (its pid: a stale file never counts).
-        Only a gloo group of CPU tensors: an NCCL group with a dead peer hangs or aborts rather than
-        raising in the survivors, and gloo over CUDA tensors (ranks sharing a GPU) has not been
-        run on a GPU yet; those take the restart path (the keeper declines an unarmed rank). Where
+        Only a gloo group, of CPU tensors or of CUDA tensors (ranks sharing a GPU: the state goes
+        through pinned host memory, ``peerstate``): an NCCL group with a dead peer hangs or aborts
+        rather than raising in the survivors; it takes the restart path (the keeper declines an
+        unarmed rank). Where
         no keeper watches the ranks (no store in the seam: another backend, several hosts), nobody
         reads the file: none is written."""
         if self.seam.store is None or not _recoverable(self.raw):
@@ -565,5 +566,5 @@ def _recoverable(model: Any) -> bool:
     """Whether a peer lost under this rank's group is recovered in place (see ``InPlace._arm``)."""
     import torch.distributed as dist
 
-    on_cpu = all(t.device.type == "cpu" for t in model.parameters())
-    return on_cpu and dist.is_initialized() and dist.get_backend() == "gloo"
+    where = {t.device.type for t in model.parameters()}
+    return where <= {"cpu", "cuda"} and dist.is_initialized() and dist.get_backend() == "gloo"

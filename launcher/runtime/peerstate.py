@@ -10,12 +10,18 @@ the header (Adam creates its state at the first step, which a replacement has no
 
 Both sides call with the same model and optimizer layout (the same job's code built them); a
 mismatch is an error naming the tensor, never a silent partial copy.
+
+CUDA tensors over gloo (ranks sharing a GPU): gloo's point-to-point calls read and write the
+tensor's memory from the host, so a GPU tensor is staged through pinned host memory: the sender
+copies every tensor to pinned buffers at once (asynchronous copies, one synchronisation), then
+sends them; the receiver takes each into a pinned buffer and copies it onto its device, the copies
+queued behind one another and waited for once. NCCL sends device memory itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -63,17 +69,40 @@ def _optimizer_tensors(optimizer: Any, header: StateHeader) -> list[Any]:
     return [optimizer.state[params[index]][key] for index, key, _, _ in header.optimizer]
 
 
+def _through_host(dist: Any, group: Any) -> bool:
+    """Whether this group's point-to-point calls need host memory (gloo), not device memory."""
+    return str(dist.get_backend(group)) == "gloo"
+
+
+def pinned_copies(tensors: Sequence[Any]) -> list[Any]:
+    """Each tensor as a contiguous host tensor: CPU ones as they are (contiguous), CUDA ones copied
+    into pinned host memory, all the copies queued at once and waited for once."""
+    import torch
+
+    copies, devices = [], set()
+    for tensor in tensors:
+        data = tensor.detach()
+        if data.is_cuda:
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            host.copy_(data, non_blocking=True)
+            devices.add(data.device)
+            data = host
+        copies.append(data if data.is_contiguous() else data.contiguous())
+    for device in devices:  # each device's queue: the copies above are done when it is
+        torch.cuda.current_stream(device).synchronize()
+    return copies
+
+
 def send_state(model: Any, optimizer: Any, step: int, dst: int, *, group: Any = None, extra: Mapping[str, Any] | None = None) -> int:
     """Send the state to rank ``dst`` (which calls :func:`receive_state`); returns the bytes sent."""
     import torch.distributed as dist
 
     header = header_of(model, optimizer, step, extra)
     dist.send_object_list([header], dst=dst, group=group)
+    tensors = [t for _, t in _model_tensors(model)] + _optimizer_tensors(optimizer, header)
+    outgoing = pinned_copies(tensors) if _through_host(dist, group) else [t.detach().contiguous() for t in tensors]
     sent = 0
-    for tensor in [t for _, t in _model_tensors(model)] + _optimizer_tensors(optimizer, header):
-        data = tensor.detach()
-        if not data.is_contiguous():
-            data = data.contiguous()
+    for data in outgoing:
         dist.send(data, dst=dst, group=group)
         sent += data.numel() * data.element_size()
     return sent
@@ -93,14 +122,16 @@ def receive_state(model: Any, optimizer: Any, src: int, *, group: Any = None) ->
     if layout != header.model:
         different = next((a, b) for a, b in zip(layout + (None,) * len(header.model), header.model + (None,) * len(layout)) if a != b)
         raise RuntimeError(f"in-place recovery: this rank's model differs from its peer's (here {different[0]}, there {different[1]})")
+    receive = _Receiver(dist, src, group, _through_host(dist, group))
     for _, tensor in mine:
-        _receive_into(dist, tensor, src, group)
+        receive.into(tensor)
     params = _params(optimizer)
     for index, key, shape, dtype in header.optimizer:
         param = params[index]
         buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=param.device)
-        _receive_into(dist, buffer, src, group)
+        receive.into(buffer)
         optimizer.state[param][key] = buffer
+    receive.done()
     for index, key, value in header.plain:
         optimizer.state[params[index]][key] = value
     for group_settings, settings in zip(optimizer.param_groups, header.groups):
@@ -108,11 +139,32 @@ def receive_state(model: Any, optimizer: Any, src: int, *, group: Any = None) ->
     return header
 
 
-def _receive_into(dist: Any, tensor: Any, src: int, group: Any) -> None:
-    """Receive straight into ``tensor`` (a contiguous one), else through a contiguous buffer."""
-    if tensor.is_contiguous():
-        dist.recv(tensor, src=src, group=group)
-        return
-    buffer = tensor.contiguous()
-    dist.recv(buffer, src=src, group=group)
-    tensor.copy_(buffer)
+class _Receiver:
+    """Receives each tensor in turn straight into its own memory where the wire can write it
+    (a contiguous host tensor; any tensor under NCCL), else through a buffer: pinned host memory
+    for a CUDA tensor over gloo, its copy onto the device queued; ``done`` waits for those."""
+
+    def __init__(self, dist: Any, src: int, group: Any, through_host: bool) -> None:
+        self.dist, self.src, self.group, self.through_host = dist, src, group, through_host
+        self.devices: set[Any] = set()
+
+    def into(self, tensor: Any) -> None:
+        import torch
+
+        if self.through_host and tensor.is_cuda:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.dist.recv(host, src=self.src, group=self.group)
+            tensor.copy_(host, non_blocking=True)  # the pinned buffer is kept alive by the queued copy
+            self.devices.add(tensor.device)
+        elif tensor.is_contiguous():
+            self.dist.recv(tensor, src=self.src, group=self.group)
+        else:
+            buffer = tensor.contiguous()
+            self.dist.recv(buffer, src=self.src, group=self.group)
+            tensor.copy_(buffer)
+
+    def done(self) -> None:
+        import torch
+
+        for device in self.devices:
+            torch.cuda.current_stream(device).synchronize()

@@ -33,7 +33,8 @@ def _gpus() -> int:
 def test_a_killed_gpu_rank_resumes_from_its_checkpoint(tmp_path: Path, ranks_per_gpu: int) -> None:
     if _gpus() < 2 // ranks_per_gpu:
         pytest.skip("needs two GPUs")
-    common = ["entrypoint=tests.jobs.killed_train:run", "params.epochs=6", "scaling.workers=[2]", "resources.device=cuda", *TINY_TRAIN,
+    # params.in_place=false: the restart path (ranks sharing a GPU now recover in place: test_in_place_gpu.py)
+    common = ["entrypoint=tests.jobs.killed_train:run", "params.epochs=6", "scaling.workers=[2]", "resources.device=cuda", "params.in_place=false", *TINY_TRAIN,
               f"resources.ranks_per_gpu={ranks_per_gpu}", f"resources.gpus_per_node={2 // ranks_per_gpu}"]
     base = run_job(tmp_path / "a", "ddp_train", *common, "params.kill_at=-1", f"params.marker={tmp_path / 'unused'}")
     assert base.returncode == 0, base.stderr[-3000:]

@@ -1,5 +1,5 @@
 """A small DDP job that opts in to recovery in place (``ctx.checkpoint.in_place``), for
-``test_in_place.py``: an MLP with Adam, each step's batch drawn from a generator seeded by the
+``test_in_place.py`` (and ``tests/gpu/test_in_place_gpu.py``: on the rank's GPU): an MLP with Adam, each step's batch drawn from a generator seeded by the
 step and the rank (the data order is deterministic whatever restarts), a checkpoint every
 ``params.checkpoint_every`` steps, the final model's SHA-256 in its result.
 
@@ -82,6 +82,7 @@ def run(ctx: Any) -> dict[str, Any]:
         time.sleep(3600)  # joined the group, never takes the state: the keeper's wait_s must name this line
     steps, every = int(ctx.param("steps", 30)), int(ctx.param("checkpoint_every", 10))
     model, opt = ctx.prepared if ctx.prepared is not None else _build()
+    model.to(ctx.device)  # cuda:<local_rank // ranks_per_gpu> on a GPU node (the same Parameter objects: Adam keeps them)
     start = 0
     if (restored := ctx.checkpoint.load()) is not None:
         model.load_state_dict(restored.state["model"])
@@ -104,7 +105,7 @@ def run(ctx: Any) -> dict[str, Any]:
                 marker.write_text(f"{os.getpid()}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
         data = torch.Generator().manual_seed(step * 1000 + ctx.rank)
-        x, y = torch.randn(16, 32, generator=data), torch.randint(0, 4, (16,), generator=data)
+        x, y = torch.randn(16, 32, generator=data).to(ctx.device), torch.randint(0, 4, (16,), generator=data).to(ctx.device)
         loss = torch.nn.functional.cross_entropy(live.model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -123,5 +124,5 @@ def run(ctx: Any) -> dict[str, Any]:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return {"model_sha256": digest.hexdigest(), "first_step": first, "steps": steps, "gen": live.gen, "pid": os.getpid()}
