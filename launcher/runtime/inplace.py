@@ -4,7 +4,9 @@ The job opts in with ``live = ctx.checkpoint.in_place(model, optimizer, wrap=...
 building its DDP model itself) and runs each step through ``live.run(step_fn, *args)``. Then:
 
 * a peer's death breaks the step's collective; the error (gloo: connection closed by peer) is
-  raised in each survivor's ``live.run``, which waits (up to ``wait_s``) for the keeper of the
+  raised in each survivor's ``live.run`` (a survivor whose collective waits on a peer that says
+  nothing, a host powered off or another survivor waiting too, is woken by its own watch: the
+  keeper's word of the loss in the store, its sockets then shut, ``InPlace._watch``), which waits (up to ``wait_s``) for the keeper of the
   lost rank's node (``launcher.runtime.keeper``, in that node's torchrun agent) to say in the
   stage's store that it forked a replacement (``KeeperWord``: a survivor on any host reads it).
   No word from it (another backend, a lost host, a job error): the error goes on as before, and
@@ -35,6 +37,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -50,6 +53,7 @@ FOLDER = "in_place"  # under the stage directory: the keeper's and the ranks' fi
 _RECORD_NAME = re.compile(r"gen\d+(\.fallback)?\.json")
 POLL_S = 0.005  # how often a survivor looks for the keeper's word (a key or two of the stage's store): ``poll_s``
 RETIRE_S = 10.0  # a left group whose sockets were shut down is dropped this long after (``Retired``)
+WATCH_S = 0.25  # how often a rank's watch reads the store for the keeper's word of a loss: ``watch_s``
 KEEPER_DECIDES_S = 15.0  # a survivor waits this much longer than ``wait_s`` for a replacement: the keeper's fallback comes first
 
 
@@ -58,6 +62,13 @@ def poll_s(world_size: int) -> float:
     less often in a large world, where every survivor asks the one store at once (1,024 ranks at
     0.1 s: 20,000 small reads a second while a recovery waits)."""
     return min(0.1, max(POLL_S, world_size / 10_000))
+
+
+def watch_s(world_size: int) -> float:
+    """How often each rank's watch (``InPlace._watch``) asks the stage's store whether a loss was
+    announced: ``WATCH_S``, less often in a large world (1,024 ranks: once a second each, about a
+    thousand small reads a second at the store, all the time)."""
+    return max(WATCH_S, world_size / 1000)
 
 
 def folder(stage_dir: str | os.PathLike[str], attempt: int) -> Path:
@@ -365,12 +376,18 @@ class InPlace:
         self._commits = 0
         self._pending: dict[str, Any] | None = None  # a recovery whose first step is not done yet
         self.retired: list[Retired] = []  # the groups this rank left, oldest first
-        self._shut = 0  # the broken group's sockets shut down when the loss was detected
+        self._shut = 0  # the broken group's sockets shut down (at the detection, by the watch)
+        # the generation the main thread is in or recovering to, and the lock that orders it
+        # against the watch's shutdown (which must never reach a generation formed since)
+        self._lock = threading.Lock()
+        self._recovering = gen
+        self.nudged: list[int] = []  # the generations whose loss this rank heard of from its watch
         optimizer.register_step_post_hook(self._committed)
         if gen:
             self._receive(gen)
         self.model = wrap(model)
-        self._arm()
+        if self._arm() and world_size > 1 and seam.word is not None:
+            threading.Thread(target=self._watch, args=(watch_s(world_size),), name="gpulaunch-inplace-watch", daemon=True).start()
 
     # --- the job's side -----------------------------------------------------------------------
     def run(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -410,11 +427,13 @@ class InPlace:
     # --- a survivor ---------------------------------------------------------------------------
     def _recover(self, exc: RuntimeError) -> None:
         detected = time.time()
+        gen = self.gen + 1
         # The group is broken for good (recovered or not, nobody uses it again): its connections
         # shut down now, so that a survivor blocked on this one (not on the dead rank: a ring's
         # neighbour, another host) hears it at once, not once this rank leaves after the arrivals.
-        self._shut = shut_down(self.seam.sockets())
-        gen = self.gen + 1
+        with self._lock:
+            self._recovering = gen
+            self._shut += shut_down(self.seam.sockets())
         death = self._await_death(gen)
         if death is None:
             raise exc  # no replacement is coming: the restart path
@@ -478,6 +497,7 @@ class InPlace:
         import torch.distributed as dist
 
         shut = self._shut + shut_down(self.seam.sockets())  # shut at the detection; any opened since, now
+        self._shut = 0
         old, self.model = self.model, None
         remove = getattr(old, "_remove_autograd_hooks", None)  # the old reducer's hooks would fire on the next backward
         if callable(remove):
@@ -529,6 +549,37 @@ class InPlace:
         if word is not None:
             word.settle(record["gen"], "recovered", record)  # the lost rank's keeper may be on another host
 
+    def _watch(self, every_s: float) -> None:
+        """The rank's watch, on a thread of its own: a survivor hears of a loss from its collective's
+        error, but only from the connection that collective waits on. gloo fails a pending call
+        only on an error of its own pair, so a survivor waiting on a peer that says nothing (a
+        host powered off: no connection is closed; or another survivor that waits as well) stays
+        in it while its other connections are closed (the soak's stall "C": one survivor in its
+        backward's all-reduce, every other already forming the next generation), until the keeper
+        gives up. The watch reads the store for the keeper's word of the next generation's loss;
+        where the main thread has not begun that recovery, it shuts this rank's sockets of the
+        group down: every pending call fails here at once (gloo: connection closed), and the main
+        thread recovers as from any peer's loss. It ends with the store (the stage ending)."""
+        word = self.seam.word
+        assert word is not None
+        while True:
+            time.sleep(every_s)
+            gen = self.gen + 1
+            if self._recovering >= gen:
+                continue  # the main thread is on it
+            try:
+                death = word.death(gen)
+            except Exception:  # noqa: BLE001 - the store is gone: the stage is ending
+                return
+            if not death or not death.get("ranks"):
+                continue
+            with self._lock:
+                if self._recovering < gen and self.gen + 1 == gen:  # the group is still the broken one
+                    self._shut += shut_down(self.seam.sockets())
+                    self.nudged.append(gen)
+                    print(f"gpulaunch: rank {self.rank} heard of generation {gen}'s loss (ranks {death['ranks']}) from the store, "
+                          "not from its collective: its connections shut, it recovers", file=sys.stderr, flush=True)
+
     # --- a replacement ------------------------------------------------------------------------
     def _receive(self, gen: int) -> None:
         from launcher.runtime.peerstate import receive_state
@@ -546,7 +597,7 @@ class InPlace:
         if self._layout is not None:
             self._layout[1](header.extra.get("checkpoint_layout"))
 
-    def _arm(self) -> None:
+    def _arm(self) -> bool:
         """Tell the keeper this rank may be replaced in place (its pid: a stale file never counts).
         Only a gloo group, of CPU tensors or of CUDA tensors (ranks sharing a GPU: the state goes
         through pinned host memory, ``peerstate``): an NCCL group with a dead peer hangs or aborts
@@ -555,11 +606,12 @@ class InPlace:
         no keeper watches the ranks (no store in the seam: another backend, several hosts), nobody
         reads the file: none is written."""
         if self.seam.store is None or not _recoverable(self.raw):
-            return
+            return False
         armed = {"pid": os.getpid(), "wait_s": self.wait_s, "gen": self.gen}
         write_json_atomic(armed_path(self.seam.root, self.rank), armed, durable=False)
         if self.seam.word is not None:  # for a keeper that reads no node's files: the launcher (a lost host, a lost Ray actor)
             self.seam.word.arm(self.rank, armed)
+        return True
 
 
 def _recoverable(model: Any) -> bool:
