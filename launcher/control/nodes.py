@@ -91,15 +91,20 @@ class HostPool:
     def replace_lost(self, hosts: set[str]) -> str:
         """Put a spare where each lost host was (its node rank: the plan keeps its shape), or, in an
         elastic world with no spare left, go on without it while ``fewest`` hosts remain; what
-        happened, in one line."""
+        happened, in one line. In a fixed world the lost host stands by last, as after a move in
+        place (``adopt``): a node that rebooted is a spare again for a later loss, in place or by
+        restart (without it, that loss found no spare; and with none, the restart tries the lost
+        host anyway). An elastic world shrinks rather than count on it."""
         said = []
         for name in sorted(hosts):
             index = next((i for i, n in enumerate(self.active) if n.name == name), None)
             if index is None:
                 continue
             if self.spares:
-                spare = self.spares.pop(0)
+                spare, lost = self.spares.pop(0), self.active[index]
                 self.active[index] = spare
+                if not self.fewest:
+                    self.spares.append(lost)
                 said.append(f"{name} lost: its ranks go to the spare host {spare.name}")
             elif self.fewest and len(self.active) - 1 >= self.fewest:
                 del self.active[index]

@@ -76,6 +76,19 @@ def test_a_fixed_world_never_shrinks(tmp_path):
     assert "the restart tries it again" in pool.replace_lost({"h2"}) and len(pool.active) == 2
 
 
+def test_in_a_fixed_world_a_host_lost_to_a_restart_stands_by_last(tmp_path):
+    """The restart path's move, as the in-place one (``adopt``): the lost host (rebooted, or not)
+    is the last spare, so a second loss still finds one; an elastic world does not keep it."""
+    pool = HostPool.of(job(tmp_path, "2"), [node("h1"), node("h2"), node("h3")])
+    assert pool.replace_lost({"h2"}) == "h2 lost: its ranks go to the spare host h3"
+    assert ([n.name for n in pool.active], [n.name for n in pool.spares]) == (["h1", "h3"], ["h2"])
+    assert pool.replace_lost({"h3"}) == "h3 lost: its ranks go to the spare host h2"
+    assert ([n.name for n in pool.active], [n.name for n in pool.spares]) == (["h1", "h2"], ["h3"])
+    elastic = HostPool.of(job(tmp_path, "{min: 1, max: 2}"), [node("h1"), node("h2"), node("h3")])
+    elastic.replace_lost({"h2"})
+    assert [n.name for n in elastic.spares] == []
+
+
 def test_the_attempt_after_a_lost_host_has_fewer_ranks_in_the_stages_own_directory(tmp_path, monkeypatch):
     import launcher.control.api as api
 
