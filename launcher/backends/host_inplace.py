@@ -17,7 +17,11 @@ agents exchange their ranks through the store once, and the keys are still there
 Node 0's host serves the store: its loss takes the restart path, as does a loss while another
 recovery is under way, a job that did not opt in, a store the launcher cannot reach, and a
 recovery not over within the job's ``wait_s`` (then the spare's agent is stopped, the survivors
-stop waiting, and the restart runs on that same spare, as before).
+stop waiting, and the restart runs on that same spare, as before). ``wait_s`` counts from when the
+spare's ranks began to join (their ``arrived`` keys in the store), not from the loss: a forked
+replacement starts in a fraction of a second, a spare host first starts an agent over SSH (Python,
+torch) on a node nobody warmed, which the job's ``wait_s`` was not meant to cover; their start
+itself has ``wait_s`` too, from the loss.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
-from launcher.runtime.inplace import KeeperWord, fallback_record
+from launcher.runtime.inplace import KeeperWord, arrived_key, fallback_record
 
 CONNECT_S = 5.0  # the stage's store is up (every rank joined through it): a launcher that cannot reach it falls back at once
 ASK_S = 0.25  # how often the outcome of a recovery under way is read
+SPARE_RESTART = "0"  # a spare host's agent is a new one (--max-restarts=0): its ranks' TORCHELASTIC_RESTART_COUNT
 
 
 @dataclass
@@ -44,6 +49,7 @@ class HostRecovery:
     seen_at: float  # time.time()
     wait_s: float
     next_ask: float = 0.0  # time.monotonic()
+    arrived_at: float | None = None  # time.time() every rank on the spare had begun to join: wait_s counts from then
 
 
 class HostKeeper:
@@ -99,7 +105,8 @@ class HostKeeper:
 
     def settled(self) -> bool | None:
         """The recovery under way: True once every rank stepped again (said in the store by the
-        rank that sent the state), None while it goes on; False once ``wait_s`` went by."""
+        rank that sent the state), None while it goes on; False once ``wait_s`` went by, before the
+        spare's ranks began to join (from the loss) or after (from then)."""
         recovery = self.recovery
         if recovery is None or time.monotonic() < recovery.next_ask:
             return None
@@ -111,7 +118,9 @@ class HostKeeper:
             self.joined.update({rank: recovery.gen for rank in recovery.ranks})
             word.release(self.token)
             return True
-        if time.time() - recovery.seen_at > recovery.wait_s:
+        if recovery.arrived_at is None and word.store.check([arrived_key(SPARE_RESTART, recovery.gen, r) for r in recovery.ranks]):
+            recovery.arrived_at = time.time()
+        if time.time() - (recovery.arrived_at or recovery.seen_at) > recovery.wait_s:
             return False
         return None
 

@@ -146,6 +146,21 @@ def test_the_launchers_keeper_of_a_lost_host_claims_for_all_its_ranks_once_each_
     survivor.arm(2, {"pid": 40, "wait_s": 1.0, "gen": 2})
     survivor.arm(3, {"pid": 41, "wait_s": 1.0, "gen": 2})
     assert isinstance(late.claim(1, "h3", "h4", (2, 3)), HostRecovery)
+    # wait_s (1 s) counts from the loss until the spare's ranks begin to join, then from their arrival
+    from launcher.backends.host_inplace import SPARE_RESTART
+    from launcher.runtime.inplace import arrived_key
+
+    late.recovery.seen_at -= 0.8  # type: ignore[union-attr]
+    for rank in (2, 3):
+        survivor.store.set(arrived_key(SPARE_RESTART, 4, rank), "1")
+    late.recovery.next_ask = 0.0  # type: ignore[union-attr]
+    assert late.settled() is None and late.recovery is not None and late.recovery.arrived_at is not None
+    late.recovery.seen_at -= 5.0  # long past the loss: the spare's ranks arrived, their clock runs
+    late.recovery.next_ask = 0.0
+    assert late.settled() is None
+    late.recovery.arrived_at -= 1.5
+    late.recovery.next_ask = 0.0
+    assert late.settled() is False
     record = late.give_up("no recovery within wait_s=1s")  # the spare's ranks never stepped
     assert record is not None and record["dead_ranks"] == [2, 3] and late.given_up
     assert (survivor.outcome(4) or {}).get("outcome") == "fallback"  # the survivors stop waiting: the restart path
