@@ -187,7 +187,7 @@ if [ "$DRY" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 4); fi
 # -rP: each passed test's output too (the in-place tests print their recovery's figures)
 step pytest_gpu 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEsP "${XDIST[@]}" --junitxml="$OUT/pytest_gpu.xml" \
   tests/gpu tests/benchmarks/test_recorder_gpu.py
-grep -h "recovery in place on the GPU" "$OUT/logs/pytest_gpu.log" 2>/dev/null | sort -u | sed 's/^/  figure: /' >> "$SUMMARY"
+grep -h "recovery in place on the GPU" "$OUT/logs/pytest_gpu.log" 2>/dev/null | sort -u > "$OUT/figures.txt"
 step pytest_harness 90 "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/gpu/test_harness_env.py
 
 # --- the GPU benchmarks, sized to fit ---------------------------------------------------------
@@ -233,6 +233,7 @@ total=$(( $(date +%s) - T0 ))
 failed=$(awk 'NR > 2 && $2 != "0" && $2 != "skip" && $2 != "note" { print $1 }' "$SUMMARY" | tr '\n' ' ')
 skipped=$(awk 'NR > 2 && $2 == "skip" { print $1 }' "$SUMMARY" | tr '\n' ' ')
 printf '# total %ss; failed: %s; skipped: %s\n' "$total" "${failed:-none}" "${skipped:-none}" >> "$SUMMARY"
+[ -s "$OUT/figures.txt" ] && sed 's/^/# figure: /' "$OUT/figures.txt" >> "$SUMMARY"  # after the step table: what the tests printed
 echo
 cat "$SUMMARY"
 for name in $failed; do
