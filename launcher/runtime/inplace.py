@@ -16,7 +16,8 @@ building its DDP model itself) and runs each step through ``live.run(step_fn, *a
   replacement, which takes the lost rank's place (same rank, same world);
 * the lowest surviving rank sends the state, tensor by tensor, from its memory into the
   replacement's own tensors (``launcher.runtime.peerstate``): DDP replicas are identical, so any
-  survivor holds the state at the last completed step. A step broken before its optimizer step
+  survivor holds the state at the last completed step (where a step's all-reduce completed on
+  some survivors only, the lowest of those sends, to every rank behind it: ``state_transfer``). A step broken before its optimizer step
   is done again (its state had not moved): no step is lost, and where the job's data order is
   deterministic the model stays what an uninterrupted run's would be, bit for bit;
 * every rank builds its DDP model again (``wrap``: the old one's reducer belongs to the old
@@ -62,6 +63,17 @@ def poll_s(world_size: int) -> float:
     less often in a large world, where every survivor asks the one store at once (1,024 ranks at
     0.1 s: 20,000 small reads a second while a recovery waits)."""
     return min(0.1, max(POLL_S, world_size / 10_000))
+
+
+def state_transfer(steps: Sequence[int]) -> tuple[int, list[int]]:
+    """Who sends the state and who takes it, from every rank's completed steps in the new group
+    (a replacement's: -1). The survivors need not agree: a peer dying during a step's all-reduce
+    can end it on some survivors (gloo's ring finishes at different moments on different ranks),
+    which then step, and fail it on others. So the lowest rank with the most steps sends, and
+    every rank with fewer (the replacements, and survivors a step behind) takes its state: the
+    step was complete where it completed, and every rank goes on from it, none a step ahead."""
+    most = max(steps)
+    return steps.index(most), [rank for rank, done in enumerate(steps) if done < most]
 
 
 def watch_s(world_size: int) -> float:
@@ -395,14 +407,14 @@ class InPlace:
         step is done again if its optimizer had not stepped (then its result), else None.
         ``step_fn`` must zero the gradients before its backward and use ``live.model``."""
         while True:
-            commits = self._commits
+            commits, at = self._commits, self.step
             try:
                 result = step_fn(*args, **kwargs)
             except RuntimeError as exc:
                 if self.world_size <= 1 or self.seam.store is None or not is_peer_loss(exc):
                     raise  # no keeper here (another backend, several hosts): the restart path
                 self._recover(exc)
-                if self._commits > commits:
+                if self._commits > commits or self.step != at:  # this step is done (here, or by the peer whose state came)
                     self._stepped()
                     return None
                 continue
@@ -445,15 +457,17 @@ class InPlace:
         self._leave_group()
         self.seam.form(gen)
         grouped = time.time()
-        source = min(r for r in range(self.world_size) if r not in dead)
+        source, behind = state_transfer(self._steps_of_all(self.step))
         sent = 0
         if self.rank == source:
             from launcher.runtime.peerstate import send_state
 
             extra = {"metrics_steps": self.metrics.steps if self.metrics is not None else None,
                      "checkpoint_layout": self._layout[0]() if self._layout is not None else None}  # fmt: skip
-            for rank in dead:
+            for rank in behind:
                 sent += send_state(self.raw, self.optimizer, self.step, rank, extra=extra)
+        elif self.rank in behind:  # a survivor whose step's all-reduce failed where the source's had completed
+            self._take_state(source)
         state_done = time.time()
         self._rewrap()
         self.gen = gen
@@ -461,6 +475,7 @@ class InPlace:
             self._pending = {
                 "attempt": self.seam.attempt, "gen": gen, "dead_ranks": dead, "death": death, "detected_at": detected, "error": f"{type(exc).__name__}: {exc}"[:300],
                 "grouped_at": grouped, "state_sent_at": state_done, "state_bytes": sent, "resumed_step": self.step,
+                "survivors_behind": [r for r in behind if r not in dead],  # their step's all-reduce failed where it completed here
             }  # fmt: skip
 
     def _await_death(self, gen: int) -> dict[str, Any] | None:
@@ -582,13 +597,26 @@ class InPlace:
 
     # --- a replacement ------------------------------------------------------------------------
     def _receive(self, gen: int) -> None:
-        from launcher.runtime.peerstate import receive_state
-
-        death = (self.seam.word.death(gen) if self.seam.word is not None else None) or {}
-        dead = [int(r) for r in death.get("ranks") or [self.rank]]
-        source = min(r for r in range(self.world_size) if r not in dead)
+        """A replacement joining generation ``gen``: the state from the survivor with the most
+        steps (``state_transfer``), taken before its DDP model is built."""
+        source, _ = state_transfer(self._steps_of_all(-1))  # a replacement has no step of its own
         for callback in self.seam.on_regroup:
             callback()
+        self._take_state(source)
+
+    def _steps_of_all(self, mine: int) -> list[int]:
+        """Every rank's completed steps in the new group (a collective, survivors and replacements
+        alike): the survivors need not agree (``state_transfer``)."""
+        import torch.distributed as dist
+
+        steps: list[Any] = [None] * self.world_size
+        dist.all_gather_object(steps, mine)
+        return [int(s) for s in steps]
+
+    def _take_state(self, source: int) -> None:
+        """The model, the optimizer and the step from rank ``source`` (``peerstate``)."""
+        from launcher.runtime.peerstate import receive_state
+
         header = receive_state(self.raw, self.optimizer, source)
         self.step = header.step
         steps = header.extra.get("metrics_steps")

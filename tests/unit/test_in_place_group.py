@@ -195,3 +195,15 @@ def test_a_left_groups_sockets_are_shut_down_not_closed_and_never_its_listener_o
     finally:
         for sock in (listener, client, server, reused, peer):
             sock.close()
+
+
+def test_the_state_comes_from_the_lowest_rank_with_the_most_steps_to_every_rank_behind_it() -> None:
+    """``state_transfer``: replacements (-1) take the state; where a peer died during a step's
+    all-reduce and it completed on some survivors only (they stepped), the survivors behind take
+    it too, from the lowest of those ahead: every rank goes on from the same step."""
+    from launcher.runtime.inplace import state_transfer
+
+    assert state_transfer([17, -1, 17, 17]) == (0, [1])  # a lost rank's replacement, survivors agreeing
+    assert state_transfer([-1, 17, -1, 17]) == (1, [0, 2])  # rank 0 and rank 2 lost: the lowest survivor sends
+    assert state_transfer([17, 18, -1, 18]) == (1, [0, 2])  # ranks 1 and 3 had stepped: rank 0 catches up with them
+    assert state_transfer([5, 5]) == (0, [])  # nobody behind: nothing moves
