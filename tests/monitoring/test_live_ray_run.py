@@ -135,7 +135,10 @@ def test_prometheus_scrapes_every_rank_of_a_live_ray_run(tmp_path, start_prometh
         assert "Ray dashboard: http://127.0.0.1:" in text and "metrics: http://127.0.0.1:" in text, text[-3000:]
 
         # --- the launcher's endpoint: one series per rank with the run's labels --------------------
-        steps = prom.query_range(f'gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}', started, ended)
+        # asked of the gpulaunch job: once in CI, Ray's service-discovery file named a port the
+        # launcher's endpoint then held (Ray lists its agents' ports before they bind), and the
+        # "ray" job scraped the endpoint too (the same series under job="ray")
+        steps = prom.query_range(f'gpulaunch_steps_total{{gpulaunch_job="{JOB}", job="gpulaunch"}}', started, ended)
         by_rank = series_by_rank(steps)
         assert sorted(by_rank) == ["0", "1"] and all(len(v) == 1 for v in by_rank.values()), steps
         labels = {rank: s[0]["metric"] for rank, s in by_rank.items()}
@@ -150,7 +153,7 @@ def test_prometheus_scrapes_every_rank_of_a_live_ray_run(tmp_path, start_prometh
         assert all(0 < peak(by_rank[rank][0]) <= final[rank] for rank in final), (final, steps)
         # the rates Prometheus saw while the ranks stepped (two scrapes of a stepping rank make
         # one), asked for after the run so that a fast run cannot end between two polls
-        rates = prom.query_range(f'rate(gpulaunch_steps_total{{gpulaunch_job="{JOB}"}}[3s])', started, ended)
+        rates = prom.query_range(f'rate(gpulaunch_steps_total{{gpulaunch_job="{JOB}", job="gpulaunch"}}[3s])', started, ended)
         launcher_peak = {s["metric"]["rank"]: peak(s) for s in rates}
         assert sorted(launcher_peak) == ["0", "1"] and all(0 < v < 1e6 for v in launcher_peak.values()), rates
 
