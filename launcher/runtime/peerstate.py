@@ -21,7 +21,7 @@ queued behind one another and waited for once. NCCL sends device memory itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,14 @@ def _through_host(dist: Any, group: Any) -> bool:
     return str(dist.get_backend(group)) == "gloo"
 
 
+def wait_for_copies(devices: Iterable[Any]) -> None:
+    """Until the asynchronous copies queued on each device's current stream are done."""
+    import torch
+
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
 def pinned_copies(tensors: Sequence[Any]) -> list[Any]:
     """Each tensor as a contiguous host tensor: CPU ones as they are (contiguous), CUDA ones copied
     into pinned host memory, all the copies queued at once and waited for once."""
@@ -88,8 +96,7 @@ def pinned_copies(tensors: Sequence[Any]) -> list[Any]:
             devices.add(data.device)
             data = host
         copies.append(data if data.is_contiguous() else data.contiguous())
-    for device in devices:  # each device's queue: the copies above are done when it is
-        torch.cuda.current_stream(device).synchronize()
+    wait_for_copies(devices)
     return copies
 
 
@@ -164,7 +171,4 @@ class _Receiver:
             tensor.copy_(buffer)
 
     def done(self) -> None:
-        import torch
-
-        for device in self.devices:
-            torch.cuda.current_stream(device).synchronize()
+        wait_for_copies(self.devices)
